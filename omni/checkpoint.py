@@ -1,0 +1,95 @@
+"""Checkpoints: the LoRA in diffusers' format plus the trainer state, written atomically.
+
+Layout of `<output_dir>/checkpoints/step_000010/`:
+    pytorch_lora_weights.safetensors   loadable by StableDiffusion3Pipeline.load_lora_weights
+    trainer_state.pt                   step, optimizer state, RNG states
+A checkpoint is written to a temporary directory and renamed into place, and `latest` is
+replaced only after that, so an interrupted save never damages what was already saved.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+STATE_FILE = "trainer_state.pt"
+
+
+def rng_state() -> Dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def save_lora(directory: Path, lora: Dict[str, torch.Tensor], lora_config) -> None:
+    """The LoRA as diffusers saves it (`transformer.` keys and the adapter's PEFT config)."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from omni.weights import peft_lora_config
+
+    metadata = peft_lora_config(lora_config).to_dict()
+    metadata["target_modules"] = sorted(metadata["target_modules"])
+    StableDiffusion3Pipeline.save_lora_weights(
+        directory,
+        transformer_lora_layers={k: v.contiguous() for k, v in lora.items()},
+        transformer_lora_adapter_metadata=metadata,
+        safe_serialization=True,
+    )
+
+
+def save_checkpoint(root: Path, step: int, lora: Dict[str, torch.Tensor], lora_config, state: Dict[str, Any]) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        save_lora(tmp, lora, lora_config)
+        torch.save({"step": step, **state}, tmp / STATE_FILE)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _write_atomically(root / "latest", final.name)
+    return final
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def latest_checkpoint(root: Path) -> Optional[Path]:
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return None
+    path = root / pointer.read_text().strip()
+    return path if (path / STATE_FILE).is_file() else None
+
+
+def load_checkpoint(directory: Path):
+    """(PEFT-named LoRA tensors, trainer state) of a checkpoint directory."""
+    from diffusers import StableDiffusion3Pipeline
+
+    directory = Path(directory)
+    if not (directory / STATE_FILE).is_file() or not (directory / LORA_FILE).is_file():
+        raise FileNotFoundError(f"{directory}: not a checkpoint ({LORA_FILE} and {STATE_FILE} expected)")
+    lora = StableDiffusion3Pipeline.lora_state_dict(str(directory))
+    lora = lora[0] if isinstance(lora, tuple) else lora
+    prefix = "transformer."
+    lora = {k[len(prefix) :]: v for k, v in lora.items() if k.startswith(prefix)}
+    state = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=False)
+    return lora, state

@@ -1,0 +1,58 @@
+"""Typed configuration: the schemas of every config group and their registration with Hydra.
+
+`conf/train.yaml` starts from the `train_schema` node registered here, so each group's YAML
+merges into a typed dataclass: an unknown key or a wrong type fails at composition, naming
+the key. Defaults live in the dataclasses; the YAML files state only what differs.
+"""
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from omni.config.algorithm import AlgorithmConfig, FlowGRPOConfig
+from omni.config.data import DataConfig
+from omni.config.logger import LoggerConfig
+from omni.config.model import FSDPConfig, LoraConfig, ModelConfig
+from omni.config.reward import RewardConfig
+from omni.config.rollout import RolloutConfig
+from omni.config.trainer import TrainerConfig
+
+ALGORITHM_SCHEMAS = {"flow_grpo": FlowGRPOConfig}
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    output_dir: str = MISSING
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def register_configs() -> None:
+    """Store the schemas in Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    for name, schema in ALGORITHM_SCHEMAS.items():
+        cs.store(group="schema/algorithm", name=name, node=schema)
+
+
+__all__ = [
+    "AlgorithmConfig",
+    "DataConfig",
+    "FSDPConfig",
+    "FlowGRPOConfig",
+    "LoggerConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "register_configs",
+]

@@ -1,0 +1,30 @@
+"""Schemas of the `algorithm` group: one dataclass per algorithm family."""
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = MISSING
+
+
+@dataclass
+class FlowGRPOConfig(AlgorithmConfig):
+    # Images sampled per prompt; advantages are normalised within each group.
+    group_size: int = 8
+    clip_range: float = 1e-4
+    adv_clip_max: float = 5.0
+    # Normalise by the std of the whole batch instead of each group's.
+    global_std: bool = False
+    # Weight of the KL to the reference (the same transformer, adapters disabled).
+    kl_coef: float = 0.0
+    # Flow-GRPO-Fast: SDE only on a window of this many steps (0: every step is SDE).
+    sde_window_size: int = 0
+    # Range [lo, hi] of the steps the window may start at (drawn per rollout batch).
+    sde_window_range: Optional[List[int]] = None
+    # Passes over each rollout batch, each split into this many optimizer steps.
+    num_inner_epochs: int = 1
+    num_minibatches: int = 2

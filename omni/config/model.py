@@ -1,0 +1,42 @@
+"""Schema of the `model` group: which transformer, its LoRA and its FSDP sharding."""
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 8
+    alpha: float = 16.0
+    target_modules: List[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    adapter_name: str = "default"
+
+
+@dataclass
+class FSDPConfig:
+    # 0: no sharding, 1: FSDP1, 2: FSDP2 (fully_shard per block + root)
+    version: int = 2
+    # Block containers sharded and summoned one at a time; every model declares its own.
+    layer_prefixes: List[str] = MISSING
+    offload: bool = False
+
+
+@dataclass
+class ModelConfig:
+    family: str = MISSING
+    # A local diffusers checkpoint directory; unused when `tiny` is set.
+    path: Optional[str] = None
+    # Build a tiny random model offline from this seed instead of reading `path`.
+    tiny_seed: Optional[int] = None
+    # Where tiny models are built and cached ($OMNI_CACHE_DIR when set).
+    cache_dir: str = "${oc.env:OMNI_CACHE_DIR,~/.cache/omni-recipes}"
+    # auto: bfloat16 on GPU, float32 on CPU
+    dtype: str = "auto"
+    # Sampling defaults native to the model; the rollout group may override them.
+    resolution: int = 512
+    guidance_scale: float = 4.5
+    max_sequence_length: int = 256
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)

@@ -1,0 +1,48 @@
+"""Prompt sets: loading a text file (one prompt a line) and a seeded, resumable order.
+
+The order is a function of (seed, step) alone: each epoch is a seeded permutation and step k
+takes the next `n` prompts of the endless sequence of epochs, so a resumed run needs only
+its step number to continue with exactly the prompts it would have seen.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import List
+
+import torch
+
+PACKAGE_PREFIX = "omni:"
+
+
+def resolve_prompt_file(spec: str, key: str) -> Path:
+    if spec.startswith(PACKAGE_PREFIX):
+        name = spec[len(PACKAGE_PREFIX) :]
+        path = Path(str(resources.files("omni") / "assets" / f"{name}.txt"))
+        if not path.is_file():
+            raise FileNotFoundError(f"{key}={spec}: no prompt set '{name}' ships with omni")
+        return path
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"{key}={spec}: prompt file not found (one prompt a line)")
+    return path
+
+
+def load_prompts(spec: str, key: str = "data.train") -> List[str]:
+    """Non-empty stripped lines of the file; an empty file is an error naming it."""
+    path = resolve_prompt_file(spec, key)
+    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"{key}={spec}: the prompt file {path} has no prompts")
+    return prompts
+
+
+def prompts_for_step(prompts: List[str], step: int, n: int, seed: int) -> List[str]:
+    """The `n` prompts of training step `step` (0-based)."""
+    picked = []
+    for position in range(step * n, (step + 1) * n):
+        epoch, index = divmod(position, len(prompts))
+        order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        picked.append(prompts[int(order[index])])
+    return picked

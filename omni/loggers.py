@@ -1,0 +1,63 @@
+"""Metric and image logging to the console, wandb (offline by default) and tensorboard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+
+def image_grid(images: torch.Tensor, columns: int = 8) -> torch.Tensor:
+    """(B, 3, H, W) -> one (3, rows*H, columns*W) image."""
+    b, c, h, w = images.shape
+    columns = min(columns, b)
+    rows = -(-b // columns)
+    padded = torch.zeros(rows * columns, c, h, w)
+    padded[:b] = images
+    return padded.reshape(rows, columns, c, h, w).permute(2, 0, 3, 1, 4).reshape(c, rows * h, columns * w)
+
+
+class MetricsLogger:
+    def __init__(self, cfg: DictConfig, output_dir: Path):
+        self.backends = list(cfg.logger.backends)
+        self.wandb = self.tensorboard = None
+        if "wandb" in self.backends:
+            import wandb
+
+            self.wandb = wandb.init(
+                project=cfg.logger.wandb_project,
+                mode=cfg.logger.wandb_mode,
+                dir=str(output_dir),
+                config=OmegaConf.to_container(cfg, resolve=True),
+            )
+        if "tensorboard" in self.backends:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"))
+
+    def log(self, metrics: Dict[str, float], step: int, echo=print) -> None:
+        if "console" in self.backends:
+            shown = " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
+            echo(f"step {step}: {shown}")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if self.tensorboard is not None:
+            for key, value in metrics.items():
+                self.tensorboard.add_scalar(key, value, step)
+
+    def log_images(self, images: torch.Tensor, step: int, tag: str = "rollout/images") -> None:
+        grid = image_grid(images.float().cpu())
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({tag: wandb.Image(grid.permute(1, 2, 0).numpy())}, step=step)
+        if self.tensorboard is not None:
+            self.tensorboard.add_image(tag, grid, step)
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()

@@ -1,0 +1,74 @@
+"""Flow-matching sampling steps with log-probabilities (Flow-GRPO's ODE-to-SDE conversion).
+
+A rectified-flow model predicts a velocity v at noise level sigma. The deterministic (ODE)
+Euler step is x' = x + (sigma' - sigma) v. Flow-GRPO replaces it by an SDE with the same
+marginals whose step is Gaussian:
+
+    std_t  = noise_level * sqrt(sigma / (1 - sigma))
+    mean   = x (1 + std_t^2 dt / (2 sigma)) + v (1 + std_t^2 (1 - sigma) / (2 sigma)) dt
+    x'     = mean + std_t sqrt(-dt) * eps,       dt = sigma' - sigma < 0
+
+so the log-probability of the step taken is a Gaussian log-density; it is averaged over
+the latent's elements, as in the paper. Both the rollout engine and the actor call these
+functions, so the log-probs they compute agree by construction.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+def sde_std(sigma: torch.Tensor, sigma_max: float, noise_level: float) -> torch.Tensor:
+    """The SDE's diffusion scale at `sigma`; sigma = 1 would divide by zero, so the
+    schedule's largest sigma below 1 stands in for it there."""
+    denom = 1 - torch.where(sigma >= 1, torch.as_tensor(sigma_max, dtype=sigma.dtype), sigma)
+    return noise_level * torch.sqrt(sigma / denom)
+
+
+def sde_mean_and_scale(velocity, sample, sigma, sigma_next, sigma_max, noise_level):
+    """Mean and standard deviation of the Gaussian SDE step from `sample` at `sigma`."""
+    sigma = _per_sample(sigma, sample)
+    sigma_next = _per_sample(sigma_next, sample)
+    dt = sigma_next - sigma
+    std_t = sde_std(sigma, sigma_max, noise_level)
+    mean = sample * (1 + std_t**2 / (2 * sigma) * dt) + velocity * (1 + std_t**2 * (1 - sigma) / (2 * sigma)) * dt
+    return mean, std_t * torch.sqrt(-dt)
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per-sample log-density of x under N(mean, scale^2), averaged over the latent."""
+    log_p = -((x.detach() - mean) ** 2) / (2 * scale**2) - torch.log(scale) - _LOG_SQRT_2PI
+    return log_p.mean(dim=tuple(range(1, x.ndim)))
+
+
+def sde_step(velocity, sample, sigma, sigma_next, sigma_max, noise_level, noise=None, next_sample=None):
+    """One SDE step. Draws x' = mean + scale * noise unless `next_sample` is given (the
+    actor re-scoring a stored trajectory). Returns (x', log_prob, mean, scale)."""
+    mean, scale = sde_mean_and_scale(velocity, sample, sigma, sigma_next, sigma_max, noise_level)
+    if next_sample is None:
+        next_sample = mean + scale * noise
+    return next_sample, gaussian_log_prob(next_sample, mean, scale), mean, scale
+
+
+def ode_step(velocity, sample, sigma, sigma_next):
+    """The deterministic Euler step of the probability-flow ODE."""
+    return sample + (_per_sample(sigma_next, sample) - _per_sample(sigma, sample)) * velocity
+
+
+def _per_sample(value, like: torch.Tensor) -> torch.Tensor:
+    value = torch.as_tensor(value, dtype=like.dtype, device=like.device)
+    return value.reshape(-1, *([1] * (like.ndim - 1))) if value.ndim else value
+
+
+def sde_window(num_steps: int, window_size: int, window_range, generator: torch.Generator) -> tuple[int, int]:
+    """Steps [start, stop) sampled with the SDE. window_size 0: all steps (plain Flow-GRPO);
+    otherwise a window of `window_size` steps whose start is drawn from `window_range`."""
+    if window_size <= 0:
+        return 0, num_steps
+    lo, hi = window_range if window_range is not None else (0, num_steps - window_size)
+    start = int(torch.randint(lo, hi + 1, (1,), generator=generator))
+    return start, start + window_size

@@ -1,0 +1,164 @@
+"""The Flow-GRPO training loop (one driver process): prompts -> rollout -> reward ->
+advantages -> update -> weight sync -> log / evaluate / checkpoint.
+
+Everything random is a function of (seed, step): the prompts of a step, the seeds of its
+images, the SDE window and the update's shuffling. A resumed run therefore needs only the
+step, the LoRA and the optimizer state to continue exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from omni import checkpoint
+from omni.algorithms import flow_grpo
+from omni.config.validate import validate
+from omni.data.prompts import load_prompts, prompts_for_step
+from omni.loggers import MetricsLogger
+from omni.models.sd3 import tiny_sd3_path
+from omni.rewards import WeightedReward
+from omni.rollout.base import RolloutBatch, SamplingOptions
+from omni.rollout.sde import sde_window
+
+
+def model_path(model: DictConfig) -> str:
+    """The checkpoint directory to load: the cached tiny model, built on first use, or model.path."""
+    if model.tiny_seed is not None:
+        return str(tiny_sd3_path(model.cache_dir, model.tiny_seed))
+    return str(Path(model.path).expanduser())
+
+
+def step_seeds(seed: int, step: int, n: int) -> List[int]:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return torch.randint(0, 2**31 - 1, (n,), generator=generator).tolist()
+
+
+class FlowGRPOTrainer:
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.output_dir = Path(cfg.output_dir)
+        self.checkpoint_dir = self.output_dir / "checkpoints"
+        self.train_prompts = load_prompts(cfg.data.train, "data.train")
+        self.eval_prompts = load_prompts(cfg.data.eval, "data.eval") if cfg.data.eval else self.train_prompts
+        self.reward_fn = WeightedReward(cfg.reward.weights, cfg.reward.batch_size)
+        self.start_step = 0
+
+    # ----------------------------------------------------------------- set-up
+    def setup(self) -> None:
+        from omni.workers.actor_rollout import ActorRolloutWorker
+
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.worker = ActorRolloutWorker(self.cfg, model_path(self.cfg.model))
+        self.worker.setup()
+        self.logger = MetricsLogger(self.cfg, self.output_dir)
+        resume = self._resume_dir()
+        if resume is not None:
+            self.load_checkpoint(resume)
+
+    def _resume_dir(self) -> Optional[Path]:
+        resume = self.cfg.trainer.resume
+        if resume == "auto":
+            return checkpoint.latest_checkpoint(self.checkpoint_dir)
+        return Path(resume) if resume else None
+
+    # ----------------------------------------------------------------- sampling
+    def sampling_options(self, step: Optional[int]) -> SamplingOptions:
+        """SDE options of a training step, or deterministic ODE sampling (step None) for eval."""
+        rollout, algo = self.cfg.rollout, self.cfg.algorithm
+        if step is None:
+            window = (0, 0)
+        else:
+            generator = torch.Generator().manual_seed(self.cfg.seed * 7_919 + step)
+            window = sde_window(rollout.num_steps, algo.sde_window_size, algo.sde_window_range, generator)
+        return SamplingOptions(
+            num_steps=rollout.num_steps,
+            resolution=rollout.resolution,
+            guidance_scale=rollout.guidance_scale,
+            noise_level=rollout.noise_level,
+            max_sequence_length=self.cfg.model.max_sequence_length,
+            sde_steps=window,
+        )
+
+    def evaluate(self) -> Dict[str, float]:
+        """Mean reward of ODE samples on the held-out prompts and seeds."""
+        n = self.cfg.trainer.eval_images_per_prompt
+        prompts = [p for p in self.eval_prompts for _ in range(n)]
+        seeds = step_seeds(self.cfg.trainer.eval_seed, 0, len(prompts))
+        batch = self.worker.generate(prompts, seeds, self.sampling_options(None))
+        scores = self.reward_fn(batch.images, prompts)
+        return {f"eval/{k}": float(v.mean()) for k, v in scores.items()}
+
+    # ----------------------------------------------------------------- training
+    def train_step(self, step: int) -> Dict[str, float]:
+        algo, trainer = self.cfg.algorithm, self.cfg.trainer
+        timings = {}
+        tick = time.perf_counter()
+        prompts = prompts_for_step(self.train_prompts, step, trainer.batch_size // algo.group_size, self.cfg.seed)
+        prompts = [p for p in prompts for _ in range(algo.group_size)]
+        batch: RolloutBatch = self.worker.generate(prompts, step_seeds(self.cfg.seed, step, len(prompts)), self.sampling_options(step))
+        timings["time/rollout"], tick = time.perf_counter() - tick, time.perf_counter()
+        scores = self.reward_fn(batch.images, prompts)
+        rewards = scores["reward"]
+        advantages = flow_grpo.group_advantages(rewards, algo.group_size, algo.global_std)
+        advantages = flow_grpo.clip_advantages(advantages, algo.adv_clip_max)
+        timings["time/reward"], tick = time.perf_counter() - tick, time.perf_counter()
+        metrics = self.worker.update(batch, advantages, seed=self.cfg.seed * 15_485_863 + step)
+        timings["time/update"] = time.perf_counter() - tick
+        sync = self.worker.sync_weights()
+        timings["time/sync"] = sync["sync/seconds"]
+        if self.cfg.logger.image_every and step % self.cfg.logger.image_every == 0:
+            self.logger.log_images(batch.images, step)
+        reward_stats = {f"reward/{k}_mean": float(v.mean()) for k, v in scores.items()}
+        return {**reward_stats, "reward/std": float(rewards.std()), **{f"train/{k}": v for k, v in metrics.items()}, **timings}
+
+    def train(self) -> float:
+        trainer = self.cfg.trainer
+        initial = self.evaluate()
+        self.logger.log(initial, self.start_step, echo=tqdm.write)
+        bar = tqdm(range(self.start_step, trainer.steps), desc="flow-grpo", disable=not trainer.progress_bar, initial=self.start_step, total=trainer.steps)
+        for step in bar:
+            metrics = self.train_step(step)
+            bar.set_postfix(reward=f"{metrics['reward/reward_mean']:.4f}")
+            done = step + 1
+            if trainer.eval_every and done % trainer.eval_every == 0 and done < trainer.steps:
+                metrics.update(self.evaluate())
+            self.logger.log(metrics, done, echo=tqdm.write)
+            if trainer.save_every and done % trainer.save_every == 0:
+                self.save_checkpoint(done)
+        final = self.evaluate()
+        self.logger.log(final, trainer.steps, echo=tqdm.write)
+        self.save_checkpoint(trainer.steps)
+        print(f"eval reward: before {initial['eval/reward']:.4f} -> after {final['eval/reward']:.4f}")
+        return final["eval/reward"]
+
+    # ----------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, step: int) -> Path:
+        state = {"optimizer": self.worker.optimizer_state_dict(), "rng": checkpoint.rng_state(), "config": OmegaConf.to_yaml(self.cfg)}
+        return checkpoint.save_checkpoint(self.checkpoint_dir, step, self.worker.lora_state_dict(), self.cfg.model.lora, state)
+
+    def load_checkpoint(self, directory: Path) -> None:
+        lora, state = checkpoint.load_checkpoint(directory)
+        self.worker.load_state(lora, state["optimizer"])
+        checkpoint.set_rng_state(state["rng"])
+        self.start_step = state["step"]
+
+    def cleanup(self) -> None:
+        self.logger.close()
+        self.worker.shutdown()
+
+
+def run(cfg: DictConfig) -> float:
+    """Validate (before any model loads), build, train; returns the final eval reward."""
+    cfg = validate(cfg)
+    trainer = FlowGRPOTrainer(cfg)
+    trainer.setup()
+    try:
+        return trainer.train()
+    finally:
+        trainer.cleanup()

@@ -1,0 +1,71 @@
+"""Receiving weights: PEFT LoRA adapters on a plain transformer, loaded from named tensors.
+
+The names are those `omni.fsdp_utils.collect_lora_params` returns: base weights under the
+plain transformer's `state_dict()` names, LoRA tensors in PEFT's naming without the adapter
+name (`...to_q.lora_A.weight`). Loading is strict: a missing or unexpected name is an error.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+
+from omni.config.model import LoraConfig
+
+_LORA_KEY = re.compile(r"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)\.")
+
+
+def peft_lora_config(lora: LoraConfig) -> PeftLoraConfig:
+    return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules), init_lora_weights=True)
+
+
+def add_lora_adapter(transformer, lora: LoraConfig) -> None:
+    """Inject a LoRA adapter named `lora.adapter_name` (B = 0, so outputs are unchanged)."""
+    transformer.add_adapter(peft_lora_config(lora), adapter_name=lora.adapter_name)
+
+
+def is_lora_name(name: str) -> bool:
+    return bool(_LORA_KEY.search(name))
+
+
+def plain_base_names(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The module's non-LoRA tensors under plain names (`.base_layer` removed)."""
+    return {name.replace(".base_layer", ""): t for name, t in module.state_dict(keep_vars=True).items() if not is_lora_name(name)}
+
+
+def lora_tensors(module: torch.nn.Module, adapter_name: str) -> Dict[str, torch.Tensor]:
+    """The adapter's parameters under PEFT's names without the adapter name."""
+    pattern = re.compile(r"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)\." + re.escape(adapter_name) + r"(\.|$)")
+    found = {}
+    for name, param in module.named_parameters():
+        plain = pattern.sub(lambda m: f".{m.group(1)}{m.group(2)}", name)
+        if plain != name:
+            found[plain] = param
+    return found
+
+
+@torch.no_grad()
+def copy_named(targets: Dict[str, torch.Tensor], tensors: Dict[str, torch.Tensor], what: str) -> None:
+    missing = sorted(set(targets) - set(tensors))
+    unexpected = sorted(set(tensors) - set(targets))
+    if missing or unexpected:
+        raise KeyError(f"{what}: {len(missing)} missing {missing[:5]}, {len(unexpected)} unexpected {unexpected[:5]}")
+    for name, target in targets.items():
+        source = tensors[name]
+        if source.shape != target.shape:
+            raise ValueError(f"{what}: {name} has shape {tuple(source.shape)}, expected {tuple(target.shape)}")
+        target.copy_(source.to(target.device, target.dtype))
+
+
+def load_base_weights(module: torch.nn.Module, tensors: Dict[str, torch.Tensor]) -> None:
+    copy_named(plain_base_names(module), tensors, "base weights")
+
+
+def load_lora_weights(module: torch.nn.Module, tensors: Dict[str, torch.Tensor], adapter_name: str) -> None:
+    targets = lora_tensors(module, adapter_name)
+    if not targets:
+        raise KeyError(f"the module has no LoRA adapter named '{adapter_name}'")
+    copy_named(targets, tensors, f"LoRA adapter '{adapter_name}'")

@@ -1,0 +1,196 @@
+"""The actor-rollout worker: the trained transformer (FSDP + PEFT LoRA) and a rollout engine.
+
+It is the one place that touches several config groups. Per step it samples with its engine,
+re-scores the stored trajectory with the actor, takes the Flow-GRPO update, then hands the
+new LoRA to the engine through `omni.fsdp_utils.collect_lora_params`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from typing import Dict, List, Sequence
+
+import torch
+from omegaconf import DictConfig
+
+from omni.algorithms import flow_grpo
+from omni.distributed import init_process_group, pick_device
+from omni.fsdp_utils import collect_lora_params
+from omni.models.sd3 import PromptEmbeds, predict_velocity
+from omni.rollout.base import RolloutBatch, SamplingOptions
+from omni.rollout.sde import sde_step
+from omni.weights import add_lora_adapter
+from omni.workers.sharding import clip_grad_norm, wrap_fsdp
+
+
+def torch_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+@contextlib.contextmanager
+def adapters_disabled(module: torch.nn.Module):
+    """The reference policy: the same transformer with its LoRA switched off."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+class ActorRolloutWorker:
+    def __init__(self, cfg: DictConfig, model_path: str, rank: int = 0, world_size: int = 1):
+        self.cfg = cfg
+        self.rank, self.world_size = rank, world_size
+        self.device = pick_device(cfg.trainer.device, rank)
+        self.dtype = torch_dtype(cfg.model.dtype, self.device)
+        self.model_path = model_path
+        self.lora_cfg = cfg.model.lora
+        self.base_synced = False
+
+    # ----------------------------------------------------------------- set-up
+    def setup(self) -> None:
+        from diffusers import SD3Transformer2DModel
+
+        if self.cfg.model.fsdp.version > 0 or self.world_size > 1:
+            init_process_group(self.rank, self.world_size, self.device)
+        torch.manual_seed(self.cfg.seed)
+        actor = SD3Transformer2DModel.from_pretrained(self.model_path, subfolder="transformer", torch_dtype=self.dtype)
+        actor.requires_grad_(False)
+        add_lora_adapter(actor, self.lora_cfg)
+        self.actor = wrap_fsdp(actor, self.cfg.model.fsdp.version, self.cfg.model.fsdp.layer_prefixes, self.device)
+        self.trainable = [p for p in self.actor.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.trainable, lr=self.cfg.trainer.lr, weight_decay=self.cfg.trainer.weight_decay
+        )
+        self.engine = self._build_engine()
+        self.sync_weights()
+
+    def _build_engine(self):
+        from omni.rollout import build_engine
+
+        return build_engine(self.cfg, self.model_path, self.device, self.dtype)
+
+    # ----------------------------------------------------------------- sync
+    def sync_weights(self) -> Dict[str, float]:
+        """Push the actor's weights into the engine: the base first if the engine has none,
+        then the LoRA of the configured adapter."""
+        start = time.perf_counter()
+        sent = 0
+        for base_sync_done in ([False, True] if not self.engine.has_base else [True]):
+            tensors = collect_lora_params(
+                self.actor,
+                layered_summon=self.cfg.rollout.layered_summon and base_sync_done,
+                base_sync_done=base_sync_done,
+                is_diffusers=True,
+                adapter_name=self.lora_cfg.adapter_name,
+                layer_prefixes=tuple(self.cfg.model.fsdp.layer_prefixes),
+            )
+            self.engine.update_weights(tensors, base_sync_done=base_sync_done, lora=self.lora_cfg)
+            sent += sum(t.numel() * t.element_size() for t in tensors.values())
+        return {"sync/seconds": time.perf_counter() - start, "sync/megabytes": sent / 2**20}
+
+    def lora_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Whole LoRA tensors in PEFT naming (for checkpoints and export)."""
+        return collect_lora_params(
+            self.actor,
+            layered_summon=False,
+            base_sync_done=True,
+            is_diffusers=True,
+            adapter_name=self.lora_cfg.adapter_name,
+            layer_prefixes=tuple(self.cfg.model.fsdp.layer_prefixes),
+        )
+
+    # ----------------------------------------------------------------- state
+    def optimizer_state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.actor, self.optimizer, options=options)
+
+    def load_state(self, lora: Dict[str, torch.Tensor], optimizer_state: dict) -> None:
+        """Restore the LoRA (PEFT names) and the optimizer, then sync the engine."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+        adapter = self.lora_cfg.adapter_name
+        named = {re.sub(r"\.(lora_[AB])\.", rf".\1.{adapter}.", k): v for k, v in lora.items()}
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        result = set_model_state_dict(self.actor, named, options=options)
+        loaded = set(named) - set(result.unexpected_keys)
+        if result.unexpected_keys or len(loaded) != len(self.trainable):
+            raise KeyError(f"checkpoint LoRA does not match adapter '{adapter}': unexpected {result.unexpected_keys[:5]}")
+        set_optimizer_state_dict(self.actor, self.optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))
+        self.sync_weights()
+
+    # ----------------------------------------------------------------- rollout
+    def generate(self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions) -> RolloutBatch:
+        return self.engine.generate(prompts, seeds, options)
+
+    # ----------------------------------------------------------------- update
+    def score_rows(self, batch: RolloutBatch, samples: torch.Tensor, steps: torch.Tensor, with_reference: bool):
+        """Actor log-probs of the stored transitions (sample i, step j) -> (log_prob, kl)."""
+        opts = batch.options
+        latents = batch.latents[samples, steps].to(self.device, self.dtype)
+        next_latents = batch.latents[samples, steps + 1].to(self.device, self.dtype)
+        sigma, sigma_next = batch.sigmas[steps], batch.sigmas[steps + 1]
+        cond: PromptEmbeds = batch.cond.apply(lambda t: t[samples].to(self.device, self.dtype))
+        sigma_max = float(batch.sigmas[1])
+
+        def step_under_current_weights():
+            velocity = predict_velocity(self.actor, latents, sigma.to(self.device), cond, opts.guidance_scale)
+            return sde_step(velocity, latents, sigma, sigma_next, sigma_max, opts.noise_level, next_sample=next_latents)
+
+        _, log_prob, mean, scale = step_under_current_weights()
+        if not with_reference:
+            return log_prob.float(), torch.zeros_like(log_prob, dtype=torch.float32)
+        with torch.no_grad(), adapters_disabled(self.actor):
+            _, _, ref_mean, _ = step_under_current_weights()
+        return log_prob.float(), flow_grpo.gaussian_step_kl(mean.float(), ref_mean.float(), scale.float())
+
+    def update(self, batch: RolloutBatch, advantages: torch.Tensor, seed: int) -> Dict[str, float]:
+        """Flow-GRPO update on every (sample, SDE step) transition of the batch."""
+        algo, trainer = self.cfg.algorithm, self.cfg.trainer
+        start, stop = batch.options.sde_steps
+        n_steps = stop - start
+        samples = torch.arange(len(batch)).repeat_interleave(n_steps)
+        steps = torch.arange(start, stop).repeat(len(batch))
+        totals: Dict[str, List[float]] = {}
+        generator = torch.Generator().manual_seed(seed)
+        self.actor.train()
+        for _ in range(algo.num_inner_epochs):
+            order = torch.randperm(len(samples), generator=generator)
+            for minibatch in order.chunk(algo.num_minibatches):
+                metrics = self._minibatch_step(batch, advantages, samples[minibatch], steps[minibatch])
+                for key, value in metrics.items():
+                    totals.setdefault(key, []).append(value)
+        return {key: sum(values) / len(values) for key, values in totals.items()}
+
+    def _minibatch_step(self, batch, advantages, samples, steps) -> Dict[str, float]:
+        algo = self.cfg.algorithm
+        sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio": 0.0}
+        self.optimizer.zero_grad(set_to_none=True)
+        for rows in torch.arange(len(samples)).split(self.cfg.trainer.micro_batch_size):
+            s, j = samples[rows], steps[rows]
+            log_prob, kl = self.score_rows(batch, s, j, with_reference=algo.kl_coef > 0)
+            old_log_prob = batch.log_probs[s, j].to(log_prob.device)
+            adv = advantages[s].to(log_prob.device)
+            policy_loss, ratio, clip_fraction = flow_grpo.clipped_policy_loss(log_prob, old_log_prob, adv, algo.clip_range)
+            loss = policy_loss + algo.kl_coef * kl.mean()
+            weight = len(rows) / len(samples)
+            (loss * weight).backward()
+            for key, value in (("loss", loss), ("kl", kl.mean()), ("clip_fraction", clip_fraction), ("ratio", ratio.mean())):
+                sums[key] += float(value.detach()) * weight
+        grad_norm = clip_grad_norm(self.actor, self.trainable, self.cfg.trainer.max_grad_norm)
+        self.optimizer.step()
+        return {**sums, "grad_norm": float(grad_norm)}
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

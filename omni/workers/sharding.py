@@ -1,0 +1,60 @@
+"""Wrapping the actor transformer for training: no FSDP, FSDP1, or FSDP2 per block + root.
+
+The blocks are the children of the containers named by `model.fsdp.layer_prefixes`
+(`transformer_blocks.` for SD3), so the units FSDP gathers are the units that
+`collect_lora_params(layered_summon=True)` summons one at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import List, Sequence
+
+import torch
+from torch import nn
+
+
+def block_names(module: nn.Module, layer_prefixes: Sequence[str]) -> List[str]:
+    """Qualified names of the blocks under the prefixes (`transformer_blocks.0`, ...)."""
+    names = []
+    for prefix in layer_prefixes:
+        container = module.get_submodule(prefix.rstrip("."))
+        names += [f"{prefix}{name}" for name, _ in container.named_children()]
+    return names
+
+
+def wrap_fsdp(module: nn.Module, version: int, layer_prefixes: Sequence[str], device: torch.device) -> nn.Module:
+    if version == 0:
+        return module.to(device)
+    blocks = [module.get_submodule(name) for name in block_names(module, layer_prefixes)]
+    if version == 1:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+        block_ids = {id(b) for b in blocks}
+        policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in block_ids)
+        return FullyShardedDataParallel(
+            module.to(device),
+            auto_wrap_policy=policy,
+            use_orig_params=True,  # frozen base and trainable LoRA share units
+            device_id=device if device.type == "cuda" else None,
+        )
+    if version == 2:
+        from torch.distributed.fsdp import fully_shard
+
+        module.to(device)
+        for block in blocks:
+            fully_shard(block)
+        fully_shard(module)
+        return module
+    raise ValueError(f"model.fsdp.version={version}: expected 0 (none), 1 or 2")
+
+
+def clip_grad_norm(module: nn.Module, params, max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm, whatever the wrapping; returns the norm before clipping."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(module, FullyShardedDataParallel):
+        return module.clip_grad_norm_(max_norm)
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

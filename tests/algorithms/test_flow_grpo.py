@@ -1,0 +1,56 @@
+"""Advantages, clipping, the clipped ratio loss and the KL on hand-computed cases."""
+
+import math
+
+import pytest
+import torch
+
+from omni.algorithms.flow_grpo import clip_advantages, clipped_policy_loss, gaussian_step_kl, group_advantages
+
+
+def test_group_advantages_hand_computed():
+    rewards = torch.tensor([1.0, 3.0, 10.0, 10.0])
+    adv = group_advantages(rewards, group_size=2, eps=1e-4)
+    std = math.sqrt(2) + 1e-4  # unbiased std of (1, 3)
+    assert torch.allclose(adv[:2], torch.tensor([-1 / std, 1 / std]))
+    assert torch.allclose(adv[2:], torch.zeros(2))  # a tie gives no signal
+
+
+def test_global_std():
+    rewards = torch.tensor([1.0, 3.0, 5.0, 7.0])
+    adv = group_advantages(rewards, group_size=2, global_std=True, eps=0.0)
+    assert torch.allclose(adv, torch.tensor([-1.0, 1.0, -1.0, 1.0]) / rewards.std())
+
+
+def test_group_size_must_divide():
+    with pytest.raises(ValueError, match="groups of 3"):
+        group_advantages(torch.zeros(4), 3)
+
+
+def test_clip_advantages():
+    assert torch.equal(clip_advantages(torch.tensor([-9.0, 0.5, 9.0]), 5.0), torch.tensor([-5.0, 0.5, 5.0]))
+
+
+def test_clipped_loss_hand_computed():
+    log_prob = torch.log(torch.tensor([1.5, 0.5, 1.05]))
+    old = torch.zeros(3)
+    adv = torch.tensor([1.0, 1.0, -2.0])
+    loss, ratio, clip_fraction = clipped_policy_loss(log_prob, old, adv, clip_range=0.2)
+    # sample 1: min(1.5, 1.2) -> 1.2 ; sample 2: min(0.5, 0.8) -> 0.5 ; sample 3: -2 * 1.05 (inside)
+    assert math.isclose(loss.item(), -(1.2 + 0.5 - 2.1) / 3, rel_tol=1e-5)
+    assert math.isclose(clip_fraction.item(), 2 / 3, rel_tol=1e-6)
+    assert torch.allclose(ratio, torch.tensor([1.5, 0.5, 1.05]))
+
+
+def test_on_policy_gradient_is_advantage_weighted():
+    log_prob = torch.zeros(2, requires_grad=True)
+    loss, _, _ = clipped_policy_loss(log_prob, torch.zeros(2), torch.tensor([2.0, -1.0]), 1e-4)
+    loss.backward()
+    assert torch.allclose(log_prob.grad, torch.tensor([-1.0, 0.5]))
+
+
+def test_kl_zero_when_equal_and_hand_computed():
+    mean = torch.randn(2, 3)
+    assert torch.equal(gaussian_step_kl(mean, mean, torch.tensor(0.3)), torch.zeros(2))
+    kl = gaussian_step_kl(torch.ones(1, 2), torch.zeros(1, 2), torch.tensor(0.5))
+    assert math.isclose(kl.item(), 1 / (2 * 0.25), rel_tol=1e-6)

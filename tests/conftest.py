@@ -1,0 +1,40 @@
+"""Shared fixtures: the real Hydra config composed with the compose API, and one tiny SD3
+checkpoint built offline per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from omni.config import register_configs
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def compose_config(overrides=(), output_dir="/tmp/omni-test-output"):
+    """The training config as `recipes/train.py` composes it, with `overrides`."""
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=list(overrides))
+    OmegaConf.set_struct(cfg, False)
+    cfg.output_dir = str(output_dir)
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory) -> Path:
+    """A model cache directory shared by the session's tests (the tiny SD3 is built once)."""
+    return tmp_path_factory.mktemp("model-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_dir(tiny_cache) -> Path:
+    from omni.models.sd3 import tiny_sd3_path
+
+    return tiny_sd3_path(tiny_cache, seed=0)
