@@ -31,7 +31,7 @@ class ModelConfig:
     # Build a tiny random model offline from this seed instead of reading `path`.
     tiny_seed: Optional[int] = None
     # Where tiny models are built and cached ($OMNI_CACHE_DIR when set).
-    cache_dir: str = "${oc.env:OMNI_CACHE_DIR,~/.cache/omni-recipes}"
+    cache_dir: str = "${oc.env:OMNI_CACHE_DIR,'~/.cache/omni-recipes'}"
     # auto: bfloat16 on GPU, float32 on CPU
     dtype: str = "auto"
     # Sampling defaults native to the model; the rollout group may override them.
