@@ -8,6 +8,7 @@ step, the LoRA and the optimizer state to continue exactly.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -85,14 +86,17 @@ class FlowGRPOTrainer:
             sde_steps=window,
         )
 
-    def evaluate(self) -> Dict[str, float]:
-        """Mean reward of ODE samples on the held-out prompts and seeds."""
+    def evaluate(self) -> Dict[str, torch.Tensor]:
+        """Rewards of ODE samples on the held-out prompts and seeds, one per image."""
         n = self.cfg.trainer.eval_images_per_prompt
         prompts = [p for p in self.eval_prompts for _ in range(n)]
         seeds = step_seeds(self.cfg.trainer.eval_seed, 0, len(prompts))
         batch = self.worker.generate(prompts, seeds, self.sampling_options(None))
-        scores = self.reward_fn(batch.images, prompts)
-        return {f"eval/{k}": float(v.mean()) for k, v in scores.items()}
+        return self.reward_fn(batch.images, prompts)
+
+    @staticmethod
+    def means(scores: Dict[str, torch.Tensor], prefix: str) -> Dict[str, float]:
+        return {f"{prefix}{k}": float(v.mean()) for k, v in scores.items()}
 
     # ----------------------------------------------------------------- training
     def train_step(self, step: int) -> Dict[str, float]:
@@ -114,28 +118,34 @@ class FlowGRPOTrainer:
         timings["time/sync"] = sync["sync/seconds"]
         if self.cfg.logger.image_every and step % self.cfg.logger.image_every == 0:
             self.logger.log_images(batch.images, step)
-        reward_stats = {f"reward/{k}_mean": float(v.mean()) for k, v in scores.items()}
-        return {**reward_stats, "reward/std": float(rewards.std()), **{f"train/{k}": v for k, v in metrics.items()}, **timings}
+        return {**self.means(scores, "reward/"), "reward/std": float(rewards.std()), **{f"train/{k}": v for k, v in metrics.items()}, **timings}
 
     def train(self) -> float:
         trainer = self.cfg.trainer
         initial = self.evaluate()
-        self.logger.log(initial, self.start_step, echo=tqdm.write)
+        self.logger.log(self.means(initial, "eval/"), self.start_step, echo=tqdm.write)
         bar = tqdm(range(self.start_step, trainer.steps), desc="flow-grpo", disable=not trainer.progress_bar, initial=self.start_step, total=trainer.steps)
         for step in bar:
             metrics = self.train_step(step)
-            bar.set_postfix(reward=f"{metrics['reward/reward_mean']:.4f}")
+            bar.set_postfix(reward=f"{metrics['reward/reward']:.4f}")
             done = step + 1
             if trainer.eval_every and done % trainer.eval_every == 0 and done < trainer.steps:
-                metrics.update(self.evaluate())
+                metrics.update(self.means(self.evaluate(), "eval/"))
             self.logger.log(metrics, done, echo=tqdm.write)
             if trainer.save_every and done % trainer.save_every == 0:
                 self.save_checkpoint(done)
         final = self.evaluate()
-        self.logger.log(final, trainer.steps, echo=tqdm.write)
+        self.logger.log(self.means(final, "eval/"), trainer.steps, echo=tqdm.write)
         self.save_checkpoint(trainer.steps)
-        print(f"eval reward: before {initial['eval/reward']:.4f} -> after {final['eval/reward']:.4f}")
-        return final["eval/reward"]
+        self.write_eval_summary(initial["reward"], final["reward"])
+        before, after = float(initial["reward"].mean()), float(final["reward"].mean())
+        print(f"eval reward (held-out prompts and seeds): before {before:.4f} -> after {after:.4f}")
+        return after
+
+    def write_eval_summary(self, before: torch.Tensor, after: torch.Tensor) -> None:
+        """Per-image held-out rewards before and after training (same prompts and seeds)."""
+        summary = {"before": before.tolist(), "after": after.tolist(), "start_step": self.start_step, "steps": self.cfg.trainer.steps}
+        (self.output_dir / "eval.json").write_text(json.dumps(summary))
 
     # ----------------------------------------------------------------- checkpoints
     def save_checkpoint(self, step: int) -> Path:

@@ -16,7 +16,8 @@ class LoraConfig:
 
 @dataclass
 class FSDPConfig:
-    # 0: no sharding, 1: FSDP1, 2: FSDP2 (fully_shard per block + root)
+    # 0: no sharding, 1: FSDP1, 2: FSDP2 (fully_shard per block + root). Applies when the
+    # actor spans more than one worker; a single worker has nothing to shard.
     version: int = 2
     # Block containers sharded and summoned one at a time; every model declares its own.
     layer_prefixes: List[str] = MISSING

@@ -60,13 +60,14 @@ class ActorRolloutWorker:
     def setup(self) -> None:
         from diffusers import SD3Transformer2DModel
 
-        if self.cfg.model.fsdp.version > 0 or self.world_size > 1:
+        fsdp_version = self.cfg.model.fsdp.version if self.world_size > 1 else 0
+        if self.world_size > 1:
             init_process_group(self.rank, self.world_size, self.device)
         torch.manual_seed(self.cfg.seed)
         actor = SD3Transformer2DModel.from_pretrained(self.model_path, subfolder="transformer", torch_dtype=self.dtype)
         actor.requires_grad_(False)
         add_lora_adapter(actor, self.lora_cfg)
-        self.actor = wrap_fsdp(actor, self.cfg.model.fsdp.version, self.cfg.model.fsdp.layer_prefixes, self.device)
+        self.actor = wrap_fsdp(actor, fsdp_version, self.cfg.model.fsdp.layer_prefixes, self.device)
         self.trainable = [p for p in self.actor.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.trainable, lr=self.cfg.trainer.lr, weight_decay=self.cfg.trainer.weight_decay
@@ -121,12 +122,14 @@ class ActorRolloutWorker:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
         adapter = self.lora_cfg.adapter_name
+        expected = set(self.lora_state_dict())
+        if set(lora) != expected:
+            raise KeyError(
+                f"checkpoint LoRA does not match adapter '{adapter}': missing {sorted(expected - set(lora))[:5]}, "
+                f"unexpected {sorted(set(lora) - expected)[:5]}"
+            )
         named = {re.sub(r"\.(lora_[AB])\.", rf".\1.{adapter}.", k): v for k, v in lora.items()}
-        options = StateDictOptions(full_state_dict=True, strict=False)
-        result = set_model_state_dict(self.actor, named, options=options)
-        loaded = set(named) - set(result.unexpected_keys)
-        if result.unexpected_keys or len(loaded) != len(self.trainable):
-            raise KeyError(f"checkpoint LoRA does not match adapter '{adapter}': unexpected {result.unexpected_keys[:5]}")
+        set_model_state_dict(self.actor, named, options=StateDictOptions(full_state_dict=True, strict=False))
         set_optimizer_state_dict(self.actor, self.optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))
         self.sync_weights()
 
