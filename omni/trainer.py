@@ -1,5 +1,5 @@
-"""The Flow-GRPO training loop (one driver process): prompts -> rollout -> reward ->
-advantages -> update -> weight sync -> log / evaluate / checkpoint.
+"""The training loop (one driver process): set-up, the algorithm's steps (`omni.steps`),
+evaluation on held-out prompts and seeds, logging and checkpoints.
 
 Everything random is a function of (seed, step): the prompts of a step, the seeds of its
 images, the SDE window and the update's shuffling. A resumed run therefore needs only the
@@ -18,13 +18,12 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from omni import checkpoint
-from omni.algorithms import flow_grpo
 from omni.config.validate import validate
-from omni.data.prompts import load_prompts, prompts_for_step
+from omni.data.prompts import load_prompts
 from omni.loggers import MetricsLogger
 from omni.models.sd3 import tiny_sd3_path
 from omni.rewards import WeightedReward
-from omni.rollout.base import RolloutBatch, SamplingOptions
+from omni.rollout.base import SamplingOptions
 from omni.rollout.sde import sde_window
 
 
@@ -40,7 +39,9 @@ def step_seeds(seed: int, step: int, n: int) -> List[int]:
     return torch.randint(0, 2**31 - 1, (n,), generator=generator).tolist()
 
 
-class FlowGRPOTrainer:
+class Trainer:
+    """Set-up, the step loop, evaluation and checkpoints; the algorithm's step is `step_fn`."""
+
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
         self.output_dir = Path(cfg.output_dir)
@@ -52,11 +53,13 @@ class FlowGRPOTrainer:
 
     # ----------------------------------------------------------------- set-up
     def setup(self) -> None:
+        from omni.steps import build_step
         from omni.workers.actor_rollout import ActorRolloutWorker
 
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.worker = ActorRolloutWorker(self.cfg, model_path(self.cfg.model))
         self.worker.setup()
+        self.step_fn = build_step(self)
         self.logger = MetricsLogger(self.cfg, self.output_dir)
         resume = self._resume_dir()
         if resume is not None:
@@ -98,35 +101,19 @@ class FlowGRPOTrainer:
     def means(scores: Dict[str, torch.Tensor], prefix: str) -> Dict[str, float]:
         return {f"{prefix}{k}": float(v.mean()) for k, v in scores.items()}
 
-    # ----------------------------------------------------------------- training
-    def train_step(self, step: int) -> Dict[str, float]:
-        algo, trainer = self.cfg.algorithm, self.cfg.trainer
-        timings = {}
-        tick = time.perf_counter()
-        prompts = prompts_for_step(self.train_prompts, step, trainer.batch_size // algo.group_size, self.cfg.seed)
-        prompts = [p for p in prompts for _ in range(algo.group_size)]
-        batch: RolloutBatch = self.worker.generate(prompts, step_seeds(self.cfg.seed, step, len(prompts)), self.sampling_options(step))
-        timings["time/rollout"], tick = time.perf_counter() - tick, time.perf_counter()
-        scores = self.reward_fn(batch.images, prompts)
-        rewards = scores["reward"]
-        advantages = flow_grpo.group_advantages(rewards, algo.group_size, algo.global_std)
-        advantages = flow_grpo.clip_advantages(advantages, algo.adv_clip_max)
-        timings["time/reward"], tick = time.perf_counter() - tick, time.perf_counter()
-        metrics = self.worker.update(batch, advantages, seed=self.cfg.seed * 15_485_863 + step)
-        timings["time/update"] = time.perf_counter() - tick
-        sync = self.worker.sync_weights()
-        timings["time/sync"] = sync["sync/seconds"]
-        if self.cfg.logger.image_every and step % self.cfg.logger.image_every == 0:
-            self.logger.log_images(batch.images, step)
-        return {**self.means(scores, "reward/"), "reward/std": float(rewards.std()), **{f"train/{k}": v for k, v in metrics.items()}, **timings}
+    def maybe_log_images(self, images: torch.Tensor, step: int) -> None:
+        every = self.cfg.logger.image_every
+        if every and step % every == 0:
+            self.logger.log_images(images, step)
 
+    # ----------------------------------------------------------------- training
     def train(self) -> float:
         trainer = self.cfg.trainer
         initial = self.evaluate()
         self.logger.log(self.means(initial, "eval/"), self.start_step, echo=tqdm.write)
-        bar = tqdm(range(self.start_step, trainer.steps), desc="flow-grpo", disable=not trainer.progress_bar, initial=self.start_step, total=trainer.steps)
+        bar = tqdm(range(self.start_step, trainer.steps), desc=self.cfg.algorithm.name, disable=not trainer.progress_bar, initial=self.start_step, total=trainer.steps)
         for step in bar:
-            metrics = self.train_step(step)
+            metrics = self.step_fn(step)
             bar.set_postfix(reward=f"{metrics['reward/reward']:.4f}")
             done = step + 1
             if trainer.eval_every and done % trainer.eval_every == 0 and done < trainer.steps:
@@ -166,7 +153,7 @@ class FlowGRPOTrainer:
 def run(cfg: DictConfig) -> float:
     """Validate (before any model loads), build, train; returns the final eval reward."""
     cfg = validate(cfg)
-    trainer = FlowGRPOTrainer(cfg)
+    trainer = Trainer(cfg)
     trainer.setup()
     try:
         return trainer.train()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from omni.config.algorithm import AlgorithmConfig, FlowGRPOConfig
+from omni.config.algorithm import AlgorithmConfig, DPOConfig, FlowGRPOConfig, OnlineDPOConfig
 from omni.config.data import DataConfig
 from omni.config.logger import LoggerConfig
 from omni.config.model import FSDPConfig, LoraConfig, ModelConfig
@@ -18,7 +18,7 @@ from omni.config.reward import RewardConfig
 from omni.config.rollout import RolloutConfig
 from omni.config.trainer import TrainerConfig
 
-ALGORITHM_SCHEMAS = {"flow_grpo": FlowGRPOConfig}
+ALGORITHM_SCHEMAS = {"flow_grpo": FlowGRPOConfig, "dpo": DPOConfig, "online_dpo": OnlineDPOConfig}
 
 
 @dataclass
@@ -44,12 +44,14 @@ def register_configs() -> None:
 
 __all__ = [
     "AlgorithmConfig",
+    "DPOConfig",
     "DataConfig",
     "FSDPConfig",
     "FlowGRPOConfig",
     "LoggerConfig",
     "LoraConfig",
     "ModelConfig",
+    "OnlineDPOConfig",
     "RewardConfig",
     "RolloutConfig",
     "TrainConfig",

@@ -28,3 +28,19 @@ class FlowGRPOConfig(AlgorithmConfig):
     # Passes over each rollout batch, each split into this many optimizer steps.
     num_inner_epochs: int = 1
     num_minibatches: int = 2
+
+
+@dataclass
+class DPOConfig(AlgorithmConfig):
+    # Strength of the pull towards the reference (Diffusion-DPO's beta).
+    beta: float = 2500.0
+    # How training noise levels are drawn: logit_normal (SD3's) or uniform.
+    sigma_sampling: str = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+
+
+@dataclass
+class OnlineDPOConfig(DPOConfig):
+    # Images sampled per prompt; its best and worst by reward form a pair.
+    group_size: int = 8

@@ -1,4 +1,5 @@
-"""Schema of the `data` group: prompt sets (a text file, one prompt a line)."""
+"""Schema of the `data` group: prompt sets (a text file, one prompt a line) and
+preference pairs (JSONL, parquet, a `datasets` directory, or Pick-a-Pic's layout)."""
 
 from dataclasses import dataclass
 from typing import Optional
@@ -12,3 +13,9 @@ class DataConfig:
     train: str = MISSING
     # Held-out prompts for evaluation; None: the train prompts.
     eval: Optional[str] = None
+    # Preference pairs for offline DPO.
+    pairs: Optional[str] = None
+    # Skip (and count in the log) pairs with a bad row instead of stopping at the first.
+    skip_bad_rows: bool = False
+    # Share of the pairs held out to measure implicit accuracy.
+    pairs_eval_fraction: float = 0.2

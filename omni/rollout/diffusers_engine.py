@@ -70,6 +70,18 @@ class DiffusersEngine:
         images = decode_latents(self.pipe.vae, x)
         return torch.stack(trajectory, 1).cpu(), torch.stack(log_probs, 1).float().cpu(), images.cpu()
 
+    def encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> PromptEmbeds:
+        cond = encode_prompts(self.pipe, list(prompts), guidance_scale, max_sequence_length, self.device)
+        return cond.apply(lambda t: t.cpu())
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images in [0, 1] -> the transformer's latents (the VAE posterior's mode)."""
+        vae = self.pipe.vae
+        pixels = (images * 2 - 1).to(self.device, vae.dtype)
+        latents = vae.encode(pixels).latent_dist.mode()
+        return ((latents - vae.config.shift_factor) * vae.config.scaling_factor).cpu()
+
     def update_weights(self, named_tensors: Dict[str, torch.Tensor], base_sync_done: bool, lora: Optional[LoraConfig]) -> None:
         """Base weights (base_sync_done False) or the LoRA of `lora.adapter_name`."""
         if not base_sync_done:

@@ -15,7 +15,7 @@ from typing import Dict, List, Sequence
 import torch
 from omegaconf import DictConfig
 
-from omni.algorithms import flow_grpo
+from omni.algorithms import dpo, flow_grpo
 from omni.distributed import init_process_group, pick_device
 from omni.fsdp_utils import collect_lora_params
 from omni.models.sd3 import PromptEmbeds, predict_velocity
@@ -194,6 +194,47 @@ class ActorRolloutWorker:
         grad_norm = clip_grad_norm(self.actor, self.trainable, self.cfg.trainer.max_grad_norm)
         self.optimizer.step()
         return {**sums, "grad_norm": float(grad_norm)}
+
+    # ----------------------------------------------------------------- DPO
+    def dpo_outputs(self, x0_chosen, x0_rejected, cond: PromptEmbeds, sigmas, noise):
+        """Diffusion-DPO loss and metrics for pairs sharing noise level and noise."""
+        n = len(x0_chosen)
+        to = lambda t: t.to(self.device, self.dtype)  # noqa: E731
+        x0 = to(torch.cat([x0_chosen, x0_rejected]))
+        noise2, sigmas2 = to(torch.cat([noise, noise])), torch.cat([sigmas, sigmas]).to(self.device)
+        cond2 = cond.apply(lambda t: to(torch.cat([t, t])))
+        noisy, target = dpo.noisy_latents(x0, noise2, sigmas2), dpo.velocity_target(x0, noise2)
+        policy_err = dpo.per_sample_mse(predict_velocity(self.actor, noisy, sigmas2, cond2, 1.0), target)
+        with torch.no_grad(), adapters_disabled(self.actor):
+            ref_err = dpo.per_sample_mse(predict_velocity(self.actor, noisy, sigmas2, cond2, 1.0), target)
+        return dpo.diffusion_dpo_loss(policy_err[:n], policy_err[n:], ref_err[:n], ref_err[n:], self.cfg.algorithm.beta)
+
+    def dpo_noise(self, x0: torch.Tensor, seed: int):
+        algo = self.cfg.algorithm
+        generator = torch.Generator().manual_seed(seed)
+        sigmas = dpo.sample_sigmas(len(x0), algo.sigma_sampling, generator, algo.logit_mean, algo.logit_std)
+        return sigmas, torch.randn(x0.shape, generator=generator)
+
+    def dpo_update(self, x0_chosen, x0_rejected, cond: PromptEmbeds, seed: int) -> Dict[str, float]:
+        """One optimizer step of Diffusion-DPO over the pairs, in micro-batches of pairs."""
+        sigmas, noise = self.dpo_noise(x0_chosen, seed)
+        self.actor.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: Dict[str, float] = {}
+        n = len(x0_chosen)
+        for rows in torch.arange(n).split(max(1, self.cfg.trainer.micro_batch_size // 2)):
+            out = self.dpo_outputs(x0_chosen[rows], x0_rejected[rows], cond.apply(lambda t: t[rows]), sigmas[rows], noise[rows])
+            (out["loss"] * len(rows) / n).backward()
+            for key, value in out.items():
+                sums[key] = sums.get(key, 0.0) + float(value.detach()) * len(rows) / n
+        sums["grad_norm"] = float(clip_grad_norm(self.actor, self.trainable, self.cfg.trainer.max_grad_norm))
+        self.optimizer.step()
+        return sums
+
+    @torch.no_grad()
+    def dpo_evaluate(self, x0_chosen, x0_rejected, cond: PromptEmbeds, seed: int) -> Dict[str, float]:
+        sigmas, noise = self.dpo_noise(x0_chosen, seed)
+        return {k: float(v) for k, v in self.dpo_outputs(x0_chosen, x0_rejected, cond, sigmas, noise).items()}
 
     def shutdown(self) -> None:
         self.engine.shutdown()

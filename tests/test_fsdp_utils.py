@@ -1,0 +1,554 @@
+"""Tests for omni.fsdp_utils: collecting LoRA/base weights from plain, FSDP1 and FSDP2 models.
+
+The distributed cells run on CPU in one real 2-process gloo group, started once for the
+whole module: every wrapping x layered x base_sync_done x adapter case x {fresh, after an
+AdamW step} cell, the error cells and the summon cells run there, each rank records its
+findings per cell in a JSON file, and the parametrized tests below assert on them (the
+cell's checks, and that both ranks returned bit-identical tensors).
+
+References are the same models unwrapped (same seeds, same optimizer step on the same
+batch, so FSDP's averaged gradient equals the plain one): `peft.get_peft_model_state_dict`
+of the reference for LoRA, the plain transformer's `state_dict()` for base weights (LoRA
+freezes the base, so training does not change it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import warnings
+from datetime import timedelta
+
+import pytest
+import torch
+from torch import nn
+
+WORLD = 2
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_out"]  # proj_out: a root-level Linear
+SD3_PREFIXES = ("transformer_blocks.",)
+FLUX_PREFIXES = ("transformer_blocks.", "single_transformer_blocks.")
+WRAPPINGS = ("plain", "fsdp1_blocks", "fsdp1_lora_orig", "fsdp1_lora_flat", "fsdp2")
+STATES = ("fresh", "stepped")
+ADAPTER_CASES = {  # name: (adapters the model has, adapter asked for)
+    "default": (("default",), "default"),
+    "policy": (("policy",), "policy"),
+    "two_ask_default": (("default", "policy"), "default"),
+    "two_ask_policy": (("default", "policy"), "policy"),
+}
+LAYERED_BASE_ERROR = ["ValueError", "layered_summon", "base_sync_done"]
+
+
+def _cell_specs() -> dict[str, list[str] | None]:
+    """Every distributed cell id -> the error substrings it must raise (None: must succeed)."""
+    cells: dict[str, list[str] | None] = {}
+    for w in WRAPPINGS:
+        for state in STATES:
+            for case in ADAPTER_CASES:
+                for layered in (False, True):
+                    for synced in (False, True):
+                        error = LAYERED_BASE_ERROR if layered and not synced else None
+                        cells[_matrix_id(w, state, case, layered, synced)] = error
+            cells[f"{w}-{state}-missing_adapter"] = ["ValueError", "'nope'", "default", "policy"]
+        cells[f"{w}-wrong_prefix"] = ["ValueError", "blocks.", "['transformer_blocks']"]
+        cells[f"{w}-absent_second_prefix"] = ["ValueError", "single_transformer_blocks.", "['transformer_blocks']"]
+        cells[f"{w}-flux_two_prefixes_lora"] = None
+        cells[f"{w}-flux_base"] = None
+        cells[f"{w}-diffusers_load_lora_adapter"] = None
+        cells[f"{w}-layered_gathering"] = None
+        cells[f"{w}-summon"] = None
+        cells[f"{w}-summon_writeback"] = None
+        flat = w == "fsdp1_lora_flat"  # FSDP1 only offers with_grads with use_orig_params=True
+        cells[f"{w}-summon_with_grads"] = ["use_orig_params"] if flat else None
+    return cells
+
+
+def _matrix_id(wrapping, state, case, layered, synced) -> str:
+    """`synced` is base_sync_done: LoRA-only collection."""
+    return f"{wrapping}-{state}-{case}-{'layered' if layered else 'full'}-{'lora' if synced else 'base'}"
+
+
+CELLS = _cell_specs()
+
+
+# ---------------------------------------------------------------------------------------
+# Models, inputs, wrapping, training
+# ---------------------------------------------------------------------------------------
+
+
+def _lora_config():
+    from peft import LoraConfig
+
+    # init_lora_weights=False: random lora_B too, so LoRA values change the outputs
+    return LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+
+
+def _build_sd3(seed=0):
+    from omni.models.sd3 import build_tiny_transformer
+
+    return build_tiny_transformer(seed=seed)
+
+
+def _build_flux(seed=0):
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    return FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8),
+    )  # fmt: skip
+
+
+BUILDERS = {"sd3": _build_sd3, "flux": _build_flux}
+
+
+def _with_adapters(kind, adapters, lora_seed=1, base_seed=0):
+    model = BUILDERS[kind](base_seed)
+    torch.manual_seed(lora_seed)
+    for name in adapters:
+        model.add_adapter(_lora_config(), adapter_name=name)
+    return model
+
+
+def _inputs(model):
+    g = torch.Generator().manual_seed(7)
+    if any("single_transformer_blocks" in n for n, _ in model.named_modules()):  # FLUX, maybe wrapped
+        return dict(
+            hidden_states=torch.randn(1, 16, 4, generator=g), encoder_hidden_states=torch.randn(1, 5, 32, generator=g),
+            pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
+            img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(5, 3), return_dict=False,
+        )  # fmt: skip
+    return dict(
+        hidden_states=torch.randn(1, 4, 8, 8, generator=g), encoder_hidden_states=torch.randn(1, 6, 64, generator=g),
+        pooled_projections=torch.randn(1, 64, generator=g), timestep=torch.tensor([3.0]), return_dict=False,
+    )  # fmt: skip
+
+
+def _output(model):
+    with torch.no_grad():
+        return model(**_inputs(model))[0]
+
+
+def _backward(model):
+    model(**_inputs(model))[0].pow(2).mean().backward()
+
+
+def _train_step(model):
+    """One AdamW step on the same batch on every rank."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    _backward(model)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _block_classes(model):
+    return {type(m) for n, m in model.named_modules() if n.split(".")[-1].isdigit() and "blocks" in n.split(".")[-2]}
+
+
+def _trainable_leaf(m: nn.Module) -> bool:
+    return not list(m.children()) and any(p.requires_grad for p in m.parameters(recurse=False))
+
+
+def _wrap(model, wrapping):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
+
+    blocks = tuple(_block_classes(model))
+    cpu = torch.device("cpu")
+    if wrapping == "plain":
+        return model
+    if wrapping == "fsdp1_blocks":  # blocks mix frozen base and trainable LoRA: needs orig params
+        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy(set(blocks)), use_orig_params=True, device_id=cpu)
+    if wrapping in ("fsdp1_lora_orig", "fsdp1_lora_flat"):
+        policy = CustomPolicy(lambda m: isinstance(m, blocks) or _trainable_leaf(m))
+        orig = wrapping == "fsdp1_lora_orig"
+        return FSDP(model, auto_wrap_policy=policy, use_orig_params=orig, device_id=cpu)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for m in [m for m in model.modules() if isinstance(m, blocks)]:
+        fully_shard(m, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+# ---------------------------------------------------------------------------------------
+# Checks (run inside the workers; each returns a list of problems)
+# ---------------------------------------------------------------------------------------
+
+
+def _storage_ptrs(model) -> set[int]:
+    tensors = [*model.parameters(), *model.buffers()]
+    return {getattr(t, "_local_tensor", t).untyped_storage().data_ptr() for t in tensors}
+
+
+def _tensor_problems(key, t, model_ptrs) -> list[str]:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return [f"{key}: DTensor"]
+    problems = []
+    if t.device.type != "cpu":
+        problems.append(f"{key}: on {t.device}")
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset() != 0:
+        problems.append(f"{key}: does not own its storage ({t.untyped_storage().nbytes()} bytes for {tuple(t.shape)})")
+    if t.untyped_storage().data_ptr() in model_ptrs:
+        problems.append(f"{key}: aliases a model tensor")
+    return problems
+
+
+def _compare(got: dict, expected: dict, model) -> list[str]:
+    missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+    problems = [f"missing keys {missing[:5]} ({len(missing)})"] if missing else []
+    problems += [f"unexpected keys {extra[:5]} ({len(extra)})"] if extra else []
+    ptrs = _storage_ptrs(model)
+    for key in sorted(got.keys() & expected.keys()):
+        problems += _tensor_problems(key, got[key], ptrs)
+        try:
+            torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6)
+        except AssertionError as e:
+            problems.append(f"{key}: value differs: {str(e).splitlines()[-1]}")
+    return problems
+
+
+def _output_problem(what, got, expected) -> list[str]:
+    try:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        return []
+    except AssertionError as e:
+        return [f"{what}: outputs differ: {str(e).splitlines()[-1]}"]
+
+
+def _base_roundtrip(kind, got) -> list[str]:
+    fresh = BUILDERS[kind](seed=123)
+    try:
+        fresh.load_state_dict(got, strict=True)
+    except RuntimeError as e:
+        return [f"base load_state_dict(strict=True): {str(e)[:300]}"]
+    return _output_problem("base round trip", _output(fresh), _output(BUILDERS[kind](seed=0)))
+
+
+def _lora_roundtrip(kind, got, ref, asked) -> list[str]:
+    from peft import set_peft_model_state_dict
+
+    fresh = _with_adapters(kind, (asked,), lora_seed=999)
+    result = set_peft_model_state_dict(fresh, got, adapter_name=asked)
+    if result.unexpected_keys:
+        return [f"LoRA round trip: unexpected keys {result.unexpected_keys[:5]}"]
+    ref.set_adapter(asked)
+    return _output_problem("LoRA round trip", _output(fresh), _output(ref))
+
+
+def _digests(state: dict) -> dict[str, str]:
+    return {k: hashlib.sha1(t.contiguous().numpy().tobytes()).hexdigest() for k, t in state.items()}
+
+
+def _record(fn) -> dict:
+    """Run one cell; a raised exception becomes the cell's `error`."""
+    try:
+        problems, digests = fn()
+    except Exception as e:  # noqa: BLE001 - reported per cell, asserted by the parent
+        return {"error": f"{type(e).__name__}: {e}", "problems": [], "digests": {}}
+    return {"error": None, "problems": problems, "digests": digests}
+
+
+def _collect_cell(kind, model, ref, layered, synced, asked, prefixes):
+    from peft import get_peft_model_state_dict
+
+    from omni.fsdp_utils import collect_lora_params
+
+    got = collect_lora_params(model, layered, synced, adapter_name=asked, layer_prefixes=prefixes)
+    if synced:
+        expected = get_peft_model_state_dict(ref, adapter_name=asked)
+        problems = _compare(got, expected, model) + _lora_roundtrip(kind, got, ref, asked)
+    else:
+        problems = _compare(got, BUILDERS[kind](seed=0).state_dict(), model) + _base_roundtrip(kind, got)
+    return problems, _digests(got)
+
+
+# ---------------------------------------------------------------------------------------
+# Cell groups per wrapping
+# ---------------------------------------------------------------------------------------
+
+
+def _matrix_cells(w) -> dict:
+    out = {}
+    for state in STATES:
+        for adapters in dict.fromkeys(a for a, _ in ADAPTER_CASES.values()):
+            model, ref = _wrap(_with_adapters("sd3", adapters), w), _with_adapters("sd3", adapters)
+            if state == "stepped":
+                _train_step(model)
+                _train_step(ref)
+            for case, (case_adapters, asked) in ADAPTER_CASES.items():
+                if case_adapters != adapters:
+                    continue
+                for layered in (False, True):
+                    for synced in (False, True):
+                        args = ("sd3", model, ref, layered, synced, asked, SD3_PREFIXES)
+                        out[_matrix_id(w, state, case, layered, synced)] = _record(lambda: _collect_cell(*args))
+            if len(adapters) == 2:
+                out[f"{w}-{state}-missing_adapter"] = _record(
+                    lambda: _collect_cell("sd3", model, ref, True, True, "nope", SD3_PREFIXES)
+                )
+    return out
+
+
+def _prefix_cells(w) -> dict:
+    model, ref = _wrap(_with_adapters("sd3", ("default",)), w), _with_adapters("sd3", ("default",))
+    flux, flux_ref = _wrap(_with_adapters("flux", ("default",)), w), _with_adapters("flux", ("default",))
+    _train_step(flux)
+    _train_step(flux_ref)
+    both = ("transformer_blocks.", "single_transformer_blocks.")
+    return {
+        f"{w}-wrong_prefix": _record(lambda: _collect_cell("sd3", model, ref, True, True, "default", ("blocks.",))),
+        f"{w}-absent_second_prefix": _record(lambda: _collect_cell("sd3", model, ref, True, True, "default", both)),
+        f"{w}-flux_two_prefixes_lora": _record(
+            lambda: _collect_cell("flux", flux, flux_ref, True, True, "default", FLUX_PREFIXES)
+        ),
+        f"{w}-flux_base": _record(
+            lambda: _collect_cell("flux", flux, flux_ref, False, False, "default", FLUX_PREFIXES)
+        ),
+    }
+
+
+def _diffusers_loader_cell(w):
+    """Layered LoRA of a trained non-default adapter, loaded by diffusers' own loader."""
+    from omni.fsdp_utils import collect_lora_params
+
+    model, ref = _wrap(_with_adapters("sd3", ("policy",)), w), _with_adapters("sd3", ("policy",))
+    _train_step(model)
+    _train_step(ref)
+    got = collect_lora_params(model, True, True, is_diffusers=True, adapter_name="policy")
+    fresh = _build_sd3(0)
+    metadata = {"r": 4, "lora_alpha": 8, "target_modules": TARGETS}
+    fresh.load_lora_adapter(got, prefix=None, adapter_name="policy", metadata=metadata)
+    return _output_problem("load_lora_adapter", _output(fresh), _output(ref)), _digests(got)
+
+
+def _clean(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "")
+
+
+def _full_params(model) -> dict:
+    return {_clean(n): p for n, p in model.named_parameters() if not n.endswith("_flat_param")}
+
+
+def _summon_cell(w):
+    """Whole, exact parameters inside; sharded again after."""
+    from torch.distributed.tensor import DTensor
+
+    from omni.fsdp_utils import fsdp_summon_full_params
+
+    model, ref = _wrap(_with_adapters("sd3", ("default",)), w), _with_adapters("sd3", ("default",))
+    _train_step(model)
+    _train_step(ref)
+    with fsdp_summon_full_params(model):
+        inside = {k: p.detach().clone() for k, p in _full_params(model).items()}
+        dtensors = [k for k, p in _full_params(model).items() if isinstance(p, DTensor)]
+    problems = [f"DTensors inside the context: {dtensors[:3]}"] if dtensors else []
+    problems += _compare(inside, dict(ref.named_parameters()), model)
+    after = list(model.parameters())
+    full_numel = sum(p.numel() for p in ref.parameters())
+    if w == "fsdp2" and not all(isinstance(p, DTensor) for p in after):
+        problems.append("FSDP2 parameters not resharded after the context")
+    if w.startswith("fsdp1") and sum(p.numel() for p in after) >= full_numel:
+        problems.append("FSDP1 parameters not resharded after the context")
+    return problems, _digests(inside)
+
+
+def _summon_writeback_cell(w):
+    """Changes made inside a writeback context reach the shards (LoRA and base)."""
+    from peft import get_peft_model_state_dict
+
+    from omni.fsdp_utils import collect_lora_params, fsdp_summon_full_params
+
+    model, ref = _wrap(_with_adapters("sd3", ("default",)), w), _with_adapters("sd3", ("default",))
+    lora_key, base_key = "transformer_blocks.0.attn.to_q.lora_B.default.weight", "proj_out.base_layer.weight"
+    with fsdp_summon_full_params(model, writeback=True):
+        with torch.no_grad():
+            for key in (lora_key, base_key):
+                _full_params(model)[key].add_(1.0)
+    with torch.no_grad():
+        for key in (lora_key, base_key):
+            dict(ref.named_parameters())[key].add_(1.0)
+    got = collect_lora_params(model, False, True)
+    problems = _compare(got, get_peft_model_state_dict(ref), model)
+    base = collect_lora_params(model, False, False)
+    expected_base = _build_sd3(0).state_dict()
+    expected_base["proj_out.weight"] = expected_base["proj_out.weight"] + 1.0
+    return problems + _compare(base, expected_base, model), _digests(got)
+
+
+def _summon_grads_cell(w):
+    """with_grads shows the whole (rank-averaged) gradients."""
+    from omni.fsdp_utils import fsdp_summon_full_params
+
+    model, ref = _wrap(_with_adapters("sd3", ("default",)), w), _with_adapters("sd3", ("default",))
+    _backward(model)
+    _backward(ref)
+    with fsdp_summon_full_params(model, with_grads=True):
+        grads = {k: p.grad.clone() for k, p in _full_params(model).items() if p.grad is not None}
+    expected = {k: p.grad for k, p in ref.named_parameters() if p.grad is not None}
+    # FSDP1 shows a zero gradient for frozen parameters sharing a flat parameter with trainable ones
+    extra = {k: g for k, g in grads.items() if k not in expected}
+    problems = [f"non-zero gradient on frozen {k}" for k, g in extra.items() if g.any()]
+    grads = {k: g for k, g in grads.items() if k in expected}
+    return problems + _compare(grads, expected, model), _digests(grads)
+
+
+def _gathering_cell(w):
+    """Layered LoRA sync: FSDP1 holds one unit gathered at a time (with a LoRA-aware wrap
+    only LoRA units), FSDP2 all-gathers only the LoRA tensors."""
+    from contextlib import contextmanager
+    from unittest import mock
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.tensor import DTensor
+
+    from omni.fsdp_utils import collect_lora_params
+
+    model = _wrap(_with_adapters("sd3", ("default",)), w)
+    _train_step(model)
+    summon, full_tensor = FSDP.summon_full_params, DTensor.full_tensor
+    depth, max_depth, summoned, gathered = [0], [0], set(), []
+
+    @contextmanager
+    def counting_summon(module, *args, **kwargs):
+        with summon(module, *args, **kwargs):
+            depth[0] += 1
+            max_depth[0] = max(max_depth[0], depth[0])
+            summoned.add(type(module._fsdp_wrapped_module).__name__)
+            yield
+            depth[0] -= 1
+
+    def counting_full_tensor(self, *args, **kwargs):
+        gathered.append(self.numel())
+        return full_tensor(self, *args, **kwargs)
+
+    with mock.patch.object(FSDP, "summon_full_params", staticmethod(counting_summon)):
+        with mock.patch.object(DTensor, "full_tensor", counting_full_tensor):
+            got = collect_lora_params(model, True, True)
+    problems = [f"{max_depth[0]} FSDP1 units gathered at once"] if max_depth[0] > 1 else []
+    if w.startswith("fsdp1_lora") and summoned - {"Linear"}:
+        problems.append(f"LoRA-aware wrap: gathered units wrapping {sorted(summoned)}")
+    if len(gathered) not in (0, len(got)) or sum(gathered) > sum(t.numel() for t in got.values()):
+        problems.append(f"FSDP2 all-gathered {len(gathered)} tensors ({sum(gathered)} elements) for {len(got)} LoRA")
+    if w == "fsdp2" and not gathered:
+        problems.append("FSDP2: nothing all-gathered")
+    return problems, _digests(got)
+
+
+def _wrapping_cells(w) -> dict:
+    out = _matrix_cells(w)
+    out.update(_prefix_cells(w))
+    out[f"{w}-diffusers_load_lora_adapter"] = _record(lambda: _diffusers_loader_cell(w))
+    out[f"{w}-layered_gathering"] = _record(lambda: _gathering_cell(w))
+    out[f"{w}-summon"] = _record(lambda: _summon_cell(w))
+    out[f"{w}-summon_writeback"] = _record(lambda: _summon_writeback_cell(w))
+    out[f"{w}-summon_with_grads"] = _record(lambda: _summon_grads_cell(w))
+    return out
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
+    try:
+        results = {}
+        for w in WRAPPINGS:
+            results.update(_wrapping_cells(w))
+            dist.barrier()
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------
+# pytest side
+# ---------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("fsdp_cells")
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers
+    try:
+        torch.multiprocessing.start_processes(
+            _worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, start_method="spawn", join=True
+        )
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_cell(results, cell):
+    expect_error = CELLS[cell]
+    per_rank = [r[cell] for r in results]
+    for rank, r in enumerate(per_rank):
+        if expect_error:
+            assert r["error"], f"rank {rank}: expected an error containing {expect_error}, got none"
+            assert all(s in r["error"] for s in expect_error), f"rank {rank}: {r['error']!r} lacks {expect_error}"
+        else:
+            assert r["error"] is None, f"rank {rank}: {r['error']}"
+            assert r["problems"] == [], f"rank {rank}: " + "\n".join(r["problems"])
+    assert per_rank[0]["digests"] == per_rank[1]["digests"], "ranks returned different tensors"
+
+
+def test_layered_summon_needs_base_sync_done_plain():
+    from omni.fsdp_utils import collect_lora_params
+
+    with pytest.raises(ValueError, match="base_sync_done"):
+        collect_lora_params(_with_adapters("sd3", ("default",)), layered_summon=True, base_sync_done=False)
+
+
+def test_peft_inject_adapter_in_model_layout():
+    """peft's own injection (no diffusers add_adapter, no peft_config on the model)."""
+    from peft import inject_adapter_in_model
+
+    from omni.fsdp_utils import collect_lora_params
+
+    model = inject_adapter_in_model(_lora_config(), _build_sd3(0), adapter_name="policy")
+    got = collect_lora_params(model, layered_summon=True, base_sync_done=True, adapter_name="policy")
+    expected = {n.replace(".policy.", "."): p for n, p in model.named_parameters() if ".lora_" in n}
+    assert got.keys() == expected.keys() and "proj_out.lora_B.weight" in got
+    assert all(torch.equal(got[k], expected[k]) for k in got)
+    base = collect_lora_params(model, layered_summon=False, base_sync_done=False)
+    _build_sd3(5).load_state_dict(base, strict=True)
+
+
+def test_collecting_nothing_is_an_error():
+    from omni.fsdp_utils import collect_lora_params
+
+    with pytest.raises(ValueError, match=r"collected no base tensors.*adapter_name='default'.*transformer_blocks"):
+        collect_lora_params(nn.Module(), layered_summon=False, base_sync_done=False)
+
+
+def test_state_nbytes_counts_bytes():
+    from omni.fsdp_utils import state_nbytes
+
+    assert state_nbytes({"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.float16)}) == 3 * 4 * 4 + 5 * 2
+
+
+def test_summon_on_plain_module_is_a_no_op():
+    from omni.fsdp_utils import fsdp_summon_full_params
+
+    model = nn.Linear(3, 2)
+    weight = model.weight
+    with fsdp_summon_full_params(model, writeback=True, with_grads=True):
+        assert model.weight is weight
