@@ -23,6 +23,7 @@ from omni.data.prompts import load_prompts
 from omni.loggers import MetricsLogger
 from omni.models.sd3 import tiny_sd3_path
 from omni.rewards import WeightedReward
+from omni.steps import build_step
 from omni.rollout.base import SamplingOptions
 from omni.rollout.sde import sde_window
 
@@ -49,17 +50,18 @@ class Trainer:
         self.train_prompts = load_prompts(cfg.data.train, "data.train")
         self.eval_prompts = load_prompts(cfg.data.eval, "data.eval") if cfg.data.eval else self.train_prompts
         self.reward_fn = WeightedReward(cfg.reward.weights, cfg.reward.batch_size)
+        self.step_fn = build_step(self)  # reads the algorithm's data before any model loads
         self.start_step = 0
 
     # ----------------------------------------------------------------- set-up
     def setup(self) -> None:
-        from omni.steps import build_step
         from omni.workers.actor_rollout import ActorRolloutWorker
 
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.worker = ActorRolloutWorker(self.cfg, model_path(self.cfg.model))
         self.worker.setup()
-        self.step_fn = build_step(self)
+        if hasattr(self.step_fn, "setup"):
+            self.step_fn.setup()
         self.logger = MetricsLogger(self.cfg, self.output_dir)
         resume = self._resume_dir()
         if resume is not None:
@@ -79,7 +81,8 @@ class Trainer:
             window = (0, 0)
         else:
             generator = torch.Generator().manual_seed(self.cfg.seed * 7_919 + step)
-            window = sde_window(rollout.num_steps, algo.sde_window_size, algo.sde_window_range, generator)
+            window_size, window_range = algo.get("sde_window_size", 0), algo.get("sde_window_range")
+            window = sde_window(rollout.num_steps, window_size, window_range, generator)
         return SamplingOptions(
             num_steps=rollout.num_steps,
             resolution=rollout.resolution,
@@ -88,6 +91,11 @@ class Trainer:
             max_sequence_length=self.cfg.model.max_sequence_length,
             sde_steps=window,
         )
+
+    def eval_metrics(self, scores: Dict[str, torch.Tensor]) -> Dict[str, float]:
+        """Mean held-out rewards, plus what the algorithm's step measures on held-out data."""
+        extra = getattr(self.step_fn, "evaluate", None)
+        return {**self.means(scores, "eval/"), **(extra() if extra else {})}
 
     def evaluate(self) -> Dict[str, torch.Tensor]:
         """Rewards of ODE samples on the held-out prompts and seeds, one per image."""
@@ -110,19 +118,19 @@ class Trainer:
     def train(self) -> float:
         trainer = self.cfg.trainer
         initial = self.evaluate()
-        self.logger.log(self.means(initial, "eval/"), self.start_step, echo=tqdm.write)
+        self.logger.log(self.eval_metrics(initial), self.start_step, echo=tqdm.write)
         bar = tqdm(range(self.start_step, trainer.steps), desc=self.cfg.algorithm.name, disable=not trainer.progress_bar, initial=self.start_step, total=trainer.steps)
         for step in bar:
             metrics = self.step_fn(step)
-            bar.set_postfix(reward=f"{metrics['reward/reward']:.4f}")
+            bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.4f}" for k in ("reward/reward", "train/loss") if k in metrics})
             done = step + 1
             if trainer.eval_every and done % trainer.eval_every == 0 and done < trainer.steps:
-                metrics.update(self.means(self.evaluate(), "eval/"))
+                metrics.update(self.eval_metrics(self.evaluate()))
             self.logger.log(metrics, done, echo=tqdm.write)
             if trainer.save_every and done % trainer.save_every == 0:
                 self.save_checkpoint(done)
         final = self.evaluate()
-        self.logger.log(self.means(final, "eval/"), trainer.steps, echo=tqdm.write)
+        self.logger.log(self.eval_metrics(final), trainer.steps, echo=tqdm.write)
         self.save_checkpoint(trainer.steps)
         self.write_eval_summary(initial["reward"], final["reward"])
         before, after = float(initial["reward"].mean()), float(final["reward"].mean())

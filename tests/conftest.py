@@ -38,3 +38,11 @@ def tiny_sd3_dir(tiny_cache) -> Path:
     from omni.models.sd3 import tiny_sd3_path
 
     return tiny_sd3_path(tiny_cache, seed=0)
+
+
+@pytest.fixture(scope="session")
+def synthetic_pairs(tmp_path_factory) -> Path:
+    """A small synthetic preference set (the chosen image is the brighter one)."""
+    from omni.data.preferences import write_synthetic_pairs
+
+    return write_synthetic_pairs(tmp_path_factory.mktemp("pairs"), n_pairs=48, resolution=64, seed=0)

@@ -116,6 +116,25 @@ def check_trainer(cfg: DictConfig) -> None:
         _require(Path(trainer.resume).is_dir(), f"trainer.resume={trainer.resume}: no such checkpoint directory")
 
 
+def check_algorithm(cfg: DictConfig) -> None:
+    algo = cfg.algorithm
+    if "sigma_sampling" in algo:
+        from omni.algorithms.dpo import SIGMA_MODES
+
+        _require(algo.sigma_sampling in SIGMA_MODES, f"algorithm.sigma_sampling={algo.sigma_sampling}: expected one of {SIGMA_MODES}")
+        _require(algo.beta > 0, f"algorithm.beta={algo.beta} must be positive")
+    if algo.name == "dpo":
+        pairs = None if OmegaConf.is_missing(cfg.data, "pairs") else cfg.data.pairs
+        _require(
+            pairs is not None,
+            "algorithm=dpo learns from preference pairs: choose data=pairs and set data.pairs=/path/to/pairs.jsonl "
+            "(python scripts/make_preference_pairs.py DIR writes a small synthetic set)",
+        )
+        _require(Path(pairs).expanduser().exists(), f"data.pairs={pairs}: no such file or directory")
+        fraction = cfg.data.pairs_eval_fraction
+        _require(0 <= fraction < 1, f"data.pairs_eval_fraction={fraction}: expected a share in [0, 1)")
+
+
 def check_logger(logger: DictConfig) -> None:
     unknown = sorted(set(logger.backends) - set(LOGGER_BACKENDS))
     _require(not unknown, f"logger.backends: unknown {unknown}; available {list(LOGGER_BACKENDS)}")
@@ -138,6 +157,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_model(cfg.model)
     check_rollout(cfg)
     check_trainer(cfg)
+    check_algorithm(cfg)
     check_logger(cfg.logger)
     try:
         check_reward_names(cfg.reward.weights)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import List
+from typing import List, Sequence, TypeVar
 
 import torch
 
 PACKAGE_PREFIX = "omni:"
+T = TypeVar("T")
 
 
 def resolve_prompt_file(spec: str, key: str) -> Path:
@@ -38,11 +39,12 @@ def load_prompts(spec: str, key: str = "data.train") -> List[str]:
     return prompts
 
 
-def prompts_for_step(prompts: List[str], step: int, n: int, seed: int) -> List[str]:
-    """The `n` prompts of training step `step` (0-based)."""
-    picked = []
+def items_for_step(items: Sequence[T], step: int, n: int, seed: int) -> List[T]:
+    """The `n` items (prompts, pair indices) of training step `step` (0-based)."""
+    picked, orders = [], {}
     for position in range(step * n, (step + 1) * n):
-        epoch, index = divmod(position, len(prompts))
-        order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-        picked.append(prompts[int(order[index])])
+        epoch, index = divmod(position, len(items))
+        if epoch not in orders:
+            orders[epoch] = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        picked.append(items[int(orders[epoch][index])])
     return picked

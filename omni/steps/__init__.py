@@ -10,4 +10,12 @@ def build_step(trainer):
         from omni.steps.flow_grpo import FlowGRPOStep
 
         return FlowGRPOStep(trainer)
+    if name == "dpo":
+        from omni.steps.dpo import OfflineDPOStep
+
+        return OfflineDPOStep(trainer)
+    if name == "online_dpo":
+        from omni.steps.dpo import OnlineDPOStep
+
+        return OnlineDPOStep(trainer)
     raise ValueError(f"algorithm.name={name}: no training step for it")

@@ -7,7 +7,7 @@ import time
 from typing import Dict
 
 from omni.algorithms import flow_grpo
-from omni.data.prompts import prompts_for_step
+from omni.data.prompts import items_for_step
 
 
 class FlowGRPOStep:
@@ -20,7 +20,7 @@ class FlowGRPOStep:
 
         cfg, algo, worker = self.cfg, self.cfg.algorithm, self.trainer.worker
         timings, tick = {}, time.perf_counter()
-        prompts = prompts_for_step(self.trainer.train_prompts, step, cfg.trainer.batch_size // algo.group_size, cfg.seed)
+        prompts = items_for_step(self.trainer.train_prompts, step, cfg.trainer.batch_size // algo.group_size, cfg.seed)
         prompts = [p for p in prompts for _ in range(algo.group_size)]
         batch = worker.generate(prompts, step_seeds(cfg.seed, step, len(prompts)), self.trainer.sampling_options(step))
         timings["time/rollout"], tick = time.perf_counter() - tick, time.perf_counter()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from omni.config.validate import validate
+from omni.config.validate import ConfigError, validate
 from tests.conftest import CONF_DIR, compose_config
 
 GROUPS = ("model", "rollout", "algorithm", "reward", "data", "trainer", "logger")
@@ -27,15 +27,22 @@ def test_every_group_has_options():
 
 
 @pytest.mark.parametrize("combo", COMBINATIONS, ids=lambda c: ",".join(c))
-def test_combination_composes_and_validates(combo, tiny_cache, tmp_path):
-    overrides = [f"{g}={o}" for g, o in zip(GROUPS, combo)]
+def test_combination_composes_and_validates(combo, tiny_cache, synthetic_pairs, tmp_path):
+    choice = dict(zip(GROUPS, combo))
+    overrides = [f"{g}={o}" for g, o in choice.items()]
     overrides.append(f"model.cache_dir={tiny_cache}")
-    if "sd3" in combo[:1]:
+    if choice["model"] == "sd3":
         # the real model needs a checkpoint: point it at the tiny one, which has the same layout
         from omni.models.sd3 import tiny_sd3_path
 
         overrides.append(f"model.path={tiny_sd3_path(tiny_cache)}")
+    if choice["data"] == "pairs":
+        overrides.append(f"data.pairs={synthetic_pairs}")
     cfg = compose_config(overrides, tmp_path)
+    if choice["algorithm"] == "dpo" and choice["data"] != "pairs":
+        with pytest.raises(ConfigError, match="data=pairs and set data.pairs"):
+            validate(cfg)
+        return
     resolved = validate(cfg)
     assert resolved.model.family == "sd3"
     assert resolved.rollout.resolution is not None and resolved.rollout.guidance_scale is not None

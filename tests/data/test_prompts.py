@@ -2,7 +2,7 @@
 
 import pytest
 
-from omni.data.prompts import load_prompts, prompts_for_step
+from omni.data.prompts import load_prompts, items_for_step
 
 
 def test_builtin_sets_are_disjoint():
@@ -20,7 +20,7 @@ def test_missing_and_empty_files_are_named(tmp_path):
 
 def test_order_is_seeded_and_covers_each_epoch():
     prompts = [f"p{i}" for i in range(10)]
-    epoch = prompts_for_step(prompts, 0, 5, seed=1) + prompts_for_step(prompts, 1, 5, seed=1)
+    epoch = items_for_step(prompts, 0, 5, seed=1) + items_for_step(prompts, 1, 5, seed=1)
     assert sorted(epoch) == sorted(prompts)
-    assert prompts_for_step(prompts, 3, 4, seed=1) == prompts_for_step(prompts, 3, 4, seed=1)
-    assert prompts_for_step(prompts, 0, 10, seed=1) != prompts_for_step(prompts, 0, 10, seed=2)
+    assert items_for_step(prompts, 3, 4, seed=1) == items_for_step(prompts, 3, 4, seed=1)
+    assert items_for_step(prompts, 0, 10, seed=1) != items_for_step(prompts, 0, 10, seed=2)
