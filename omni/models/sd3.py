@@ -269,9 +269,9 @@ def predict_velocity(transformer, latents, sigmas, cond: PromptEmbeds, guidance_
     )[0]
 
 
-def decode_latents(vae, latents):
-    """Latents -> images in [0, 1]."""
+def decode_latents(vae, latents, dtype: torch.dtype):
+    """Latents -> images in [0, 1] (`dtype`: the VAE's, passed in because reading it is slow)."""
     with torch.no_grad():
         latents = latents / vae.config.scaling_factor + vae.config.shift_factor
-        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        images = vae.decode(latents.to(dtype), return_dict=False)[0]
     return (images.float() / 2 + 0.5).clamp(0, 1)

@@ -23,6 +23,8 @@ class DiffusersEngine:
         self.pipe = pipe.to(device)
         self.pipe.set_progress_bar_config(disable=True)
         self.transformer = pipe.transformer.eval().requires_grad_(False)
+        # read once: a module's `.dtype` walks all its parameters on every access
+        self.dtype = self.transformer.dtype
         self.device = device
         self.micro_batch_size = micro_batch_size
         self.has_base = has_base
@@ -53,7 +55,7 @@ class DiffusersEngine:
         generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
         channels = self.transformer.config.in_channels
         size = options.resolution // self.pipe.vae_scale_factor
-        draw = lambda: torch.stack([torch.randn(channels, size, size, generator=g) for g in generators]).to(self.device, self.transformer.dtype)  # noqa: E731
+        draw = lambda: torch.stack([torch.randn(channels, size, size, generator=g) for g in generators]).to(self.device, self.dtype)  # noqa: E731
         x = draw()
         trajectory, log_probs = [x], []
         start, stop = options.sde_steps
@@ -67,7 +69,7 @@ class DiffusersEngine:
                 x, log_prob = ode_step(velocity, x, sigmas[i], sigmas[i + 1]), torch.zeros(len(seeds), device=self.device)
             trajectory.append(x)
             log_probs.append(log_prob)
-        images = decode_latents(self.pipe.vae, x)
+        images = decode_latents(self.pipe.vae, x, self.dtype)
         return torch.stack(trajectory, 1).cpu(), torch.stack(log_probs, 1).float().cpu(), images.cpu()
 
     def encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> PromptEmbeds:
