@@ -22,6 +22,7 @@ def image_grid(images: torch.Tensor, columns: int = 8) -> torch.Tensor:
 class MetricsLogger:
     def __init__(self, cfg: DictConfig, output_dir: Path):
         self.backends = list(cfg.logger.backends)
+        self.console_every = cfg.logger.console_every
         self.wandb = self.tensorboard = None
         if "wandb" in self.backends:
             import wandb
@@ -37,8 +38,8 @@ class MetricsLogger:
 
             self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"))
 
-    def log(self, metrics: Dict[str, float], step: int, echo=print) -> None:
-        if "console" in self.backends:
+    def log(self, metrics: Dict[str, float], step: int, echo=print, force_console: bool = False) -> None:
+        if "console" in self.backends and (force_console or step % self.console_every == 0):
             shown = " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
             echo(f"step {step}: {shown}")
         if self.wandb is not None:

@@ -118,7 +118,7 @@ class Trainer:
     def train(self) -> float:
         trainer = self.cfg.trainer
         initial = self.evaluate()
-        self.logger.log(self.eval_metrics(initial), self.start_step, echo=tqdm.write)
+        self.logger.log(self.eval_metrics(initial), self.start_step, echo=tqdm.write, force_console=True)
         bar = tqdm(range(self.start_step, trainer.steps), desc=self.cfg.algorithm.name, disable=not trainer.progress_bar, initial=self.start_step, total=trainer.steps)
         for step in bar:
             metrics = self.step_fn(step)
@@ -130,7 +130,7 @@ class Trainer:
             if trainer.save_every and done % trainer.save_every == 0:
                 self.save_checkpoint(done)
         final = self.evaluate()
-        self.logger.log(self.eval_metrics(final), trainer.steps, echo=tqdm.write)
+        self.logger.log(self.eval_metrics(final), trainer.steps, echo=tqdm.write, force_console=True)
         self.save_checkpoint(trainer.steps)
         self.write_eval_summary(initial["reward"], final["reward"])
         before, after = float(initial["reward"].mean()), float(final["reward"].mean())

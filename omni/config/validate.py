@@ -139,6 +139,7 @@ def check_logger(logger: DictConfig) -> None:
     unknown = sorted(set(logger.backends) - set(LOGGER_BACKENDS))
     _require(not unknown, f"logger.backends: unknown {unknown}; available {list(LOGGER_BACKENDS)}")
     _require(logger.wandb_mode in ("offline", "online", "disabled"), f"logger.wandb_mode={logger.wandb_mode}")
+    _require(logger.console_every >= 1, f"logger.console_every={logger.console_every} must be >= 1")
 
 
 def resolve(cfg: DictConfig) -> DictConfig:

@@ -39,5 +39,5 @@ def test_bad_row_is_named_before_loading(tmp_path, tiny_cache, synthetic_pairs):
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "broken.jsonl, line 3" in output
     assert "Loading pipeline components" not in output
-    skipped = train(tmp_path / "skip", tiny_cache, *common, "data.skip_bad_rows=true", "trainer.steps=1")
+    skipped = train(tmp_path / "skip", tiny_cache, *common, "data.skip_bad_rows=true", "trainer.steps=1", "logger.console_every=1")
     assert "data/skipped_bad=1" in skipped.stdout
