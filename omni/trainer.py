@@ -24,6 +24,7 @@ from omni.loggers import MetricsLogger
 from omni.models.sd3 import tiny_sd3_path
 from omni.rewards import WeightedReward
 from omni.steps import build_step
+from omni.workers import WorkerFailure, build_actor_rollout
 from omni.rollout.base import SamplingOptions
 from omni.rollout.sde import sde_window
 
@@ -52,14 +53,13 @@ class Trainer:
         self.reward_fn = WeightedReward(cfg.reward.weights, cfg.reward.batch_size)
         self.step_fn = build_step(self)  # reads the algorithm's data before any model loads
         self.start_step = 0
+        self.worker = self.logger = None
+        self.position = "set-up"  # where the loop is, for a worker failure's message
 
     # ----------------------------------------------------------------- set-up
     def setup(self) -> None:
-        from omni.workers.actor_rollout import ActorRolloutWorker
-
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.worker = ActorRolloutWorker(self.cfg, model_path(self.cfg.model))
-        self.worker.setup()
+        self.worker = build_actor_rollout(self.cfg, model_path(self.cfg.model))
         if hasattr(self.step_fn, "setup"):
             self.step_fn.setup()
         self.logger = MetricsLogger(self.cfg, self.output_dir)
@@ -117,10 +117,12 @@ class Trainer:
     # ----------------------------------------------------------------- training
     def train(self) -> float:
         trainer = self.cfg.trainer
+        self.position = "the evaluation before training"
         initial = self.evaluate()
         self.logger.log(self.eval_metrics(initial), self.start_step, echo=tqdm.write, force_console=True)
         bar = tqdm(range(self.start_step, trainer.steps), desc=self.cfg.algorithm.name, disable=not trainer.progress_bar, initial=self.start_step, total=trainer.steps)
         for step in bar:
+            self.position = f"training step {step + 1}"
             metrics = self.step_fn(step)
             bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.4f}" for k in ("reward/reward", "train/loss") if k in metrics})
             done = step + 1
@@ -129,6 +131,7 @@ class Trainer:
             self.logger.log(metrics, done, echo=tqdm.write)
             if trainer.save_every and done % trainer.save_every == 0:
                 self.save_checkpoint(done)
+        self.position = "the final evaluation"
         final = self.evaluate()
         self.logger.log(self.eval_metrics(final), trainer.steps, echo=tqdm.write, force_console=True)
         self.save_checkpoint(trainer.steps)
@@ -154,16 +157,23 @@ class Trainer:
         self.start_step = state["step"]
 
     def cleanup(self) -> None:
-        self.logger.close()
-        self.worker.shutdown()
+        """Close what `setup` opened, also after a set-up that failed half-way."""
+        if self.logger is not None:
+            self.logger.close()
+        if self.worker is not None:
+            self.worker.shutdown()
 
 
 def run(cfg: DictConfig) -> float:
     """Validate (before any model loads), build, train; returns the final eval reward."""
     cfg = validate(cfg)
     trainer = Trainer(cfg)
-    trainer.setup()
     try:
+        trainer.setup()
         return trainer.train()
+    except WorkerFailure as failure:
+        latest = checkpoint.latest_checkpoint(trainer.checkpoint_dir)
+        kept = f"the last checkpoint, {latest}, is intact (trainer.resume=auto continues)" if latest else "no checkpoint was saved yet"
+        raise WorkerFailure(f"{failure}; during {trainer.position}. Training stopped: {kept}") from None
     finally:
         trainer.cleanup()

@@ -15,7 +15,7 @@ from omni.config.data import DataConfig
 from omni.config.logger import LoggerConfig
 from omni.config.model import FSDPConfig, LoraConfig, ModelConfig
 from omni.config.reward import RewardConfig
-from omni.config.rollout import RolloutConfig
+from omni.config.rollout import RolloutConfig, VllmRolloutConfig
 from omni.config.trainer import TrainerConfig
 
 ALGORITHM_SCHEMAS = {"flow_grpo": FlowGRPOConfig, "dpo": DPOConfig, "online_dpo": OnlineDPOConfig}
@@ -40,6 +40,7 @@ def register_configs() -> None:
     cs.store(name="train_schema", node=TrainConfig)
     for name, schema in ALGORITHM_SCHEMAS.items():
         cs.store(group="schema/algorithm", name=name, node=schema)
+    cs.store(group="schema/rollout", name="vllm", node=VllmRolloutConfig)
 
 
 __all__ = [

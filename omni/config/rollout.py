@@ -23,3 +23,28 @@ class RolloutConfig:
     layered_summon: bool = False
     # Engine-specific options passed through untouched (e.g. vLLM-Omni's).
     options: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class VllmOptions:
+    """`rollout.options` of rollout=vllm (see omni/rollout/vllm_engine.py)."""
+
+    # Attach to a running engine (http://host:port) instead of starting one.
+    url: Optional[str] = None
+    # Python of the engine's environment; default: $OMNI_VLLM_PYTHON, then the env that
+    # scripts/install_vllm_engine.sh creates, then this python if it has vllm_omni.
+    python: Optional[str] = None
+    # Where weight syncs are written; the engine must be able to read it (default: run dir).
+    shared_dir: Optional[str] = None
+    # vllm: vLLM-Omni serves our pipeline; local: the same pipeline in the engine process
+    # without vLLM-Omni (tests, debugging).
+    backend: str = "vllm"
+    startup_timeout: float = 1800.0
+    request_timeout: float = 3600.0
+    # Extra keyword arguments of vLLM-Omni's AsyncOmni (e.g. {enforce_eager: false}).
+    engine_args: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class VllmRolloutConfig(RolloutConfig):
+    options: VllmOptions = field(default_factory=VllmOptions)

@@ -15,10 +15,17 @@ class TrainerConfig:
     weight_decay: float = 1e-4
     max_grad_norm: float = 1.0
     device: str = "auto"
+    # Actor-rollout workers, data-parallel. 1: in the driver's process, no Ray. More: a Ray
+    # worker group (FSDP over the workers, one rollout engine each); on GPUs one worker per
+    # GPU, so n_workers = nnodes * n_gpus_per_node.
     n_workers: int = 1
     nnodes: int = 1
     n_gpus_per_node: int = 0
+    # A running Ray cluster to attach to ("auto", or host:port of its head); None: start a
+    # local Ray instance for the run (only when n_workers > 1).
     ray_address: Optional[str] = None
+    # How long to wait for Ray to place the workers before failing (others hold the resources).
+    placement_timeout_s: float = 120.0
     # Evaluate on held-out prompts and seeds before training, every N steps and at the end.
     eval_every: int = 0
     eval_images_per_prompt: int = 4

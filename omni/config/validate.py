@@ -16,7 +16,7 @@ from omni.models import sd3
 from omni.rewards import check_reward_names
 
 LOGGER_BACKENDS = ("console", "wandb", "tensorboard")
-ENGINES = ("diffusers",)
+ENGINES = ("diffusers", "vllm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Block containers of each model family: what `model.fsdp.layer_prefixes` may name.
 BLOCK_CONTAINERS = {"sd3": ("transformer_blocks",)}
@@ -69,6 +69,8 @@ def resolution_multiple(model: DictConfig) -> int:
 def check_rollout(cfg: DictConfig) -> None:
     rollout, algo = cfg.rollout, cfg.algorithm
     _require(rollout.engine in ENGINES, f"rollout.engine={rollout.engine}: expected one of {ENGINES}")
+    if rollout.engine == "vllm":
+        check_vllm_rollout(rollout)
     multiple = resolution_multiple(cfg.model)
     _require(
         rollout.resolution > 0 and rollout.resolution % multiple == 0,
@@ -97,6 +99,18 @@ def check_rollout(cfg: DictConfig) -> None:
             )
 
 
+def check_vllm_rollout(rollout: DictConfig) -> None:
+    """rollout=vllm: known `rollout.options`, and an engine to start or attach to."""
+    from omni.rollout.vllm_engine import engine_unavailable, vllm_options
+
+    try:
+        options = vllm_options(rollout.options)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(str(error)) from None
+    problem = engine_unavailable(options)
+    _require(problem is None, f"rollout=vllm: {problem}")
+
+
 def check_trainer(cfg: DictConfig) -> None:
     trainer, algo = cfg.trainer, cfg.algorithm
     _require(trainer.steps >= 0, f"trainer.steps={trainer.steps} must be >= 0")
@@ -114,6 +128,40 @@ def check_trainer(cfg: DictConfig) -> None:
     )
     if trainer.resume not in (None, "auto"):
         _require(Path(trainer.resume).is_dir(), f"trainer.resume={trainer.resume}: no such checkpoint directory")
+    check_workers(cfg)
+
+
+def check_workers(cfg: DictConfig) -> None:
+    """Workers, nodes and GPUs that describe one layout (see omni.workers.ray_cluster), and
+    a sharded actor whenever there is more than one worker."""
+    trainer = cfg.trainer
+    workers, nodes, gpus = trainer.n_workers, trainer.nnodes, trainer.n_gpus_per_node
+    _require(nodes >= 1 and gpus >= 0, f"trainer.nnodes={nodes} must be >= 1 and trainer.n_gpus_per_node={gpus} >= 0")
+    if gpus > 0:
+        _require(
+            workers == nodes * gpus,
+            f"trainer.n_workers={workers}: one worker per GPU, so trainer.nnodes={nodes} x "
+            f"trainer.n_gpus_per_node={gpus} = {nodes * gpus}; set trainer.n_workers={nodes * gpus}",
+        )
+        _require(trainer.device != "cpu", f"trainer.device=cpu but trainer.n_gpus_per_node={gpus}; set one of them")
+    else:
+        _require(workers % nodes == 0, f"trainer.n_workers={workers} does not split evenly over trainer.nnodes={nodes}")
+        _require(
+            workers == 1 or trainer.device != "cuda",
+            f"trainer.device=cuda with trainer.n_gpus_per_node=0: Ray gives the {workers} workers no GPU; "
+            f"set trainer.n_gpus_per_node",
+        )
+    _require(
+        trainer.ray_address is None or workers > 1,
+        f"trainer.ray_address={trainer.ray_address} with trainer.n_workers=1: one worker runs in this process "
+        f"without Ray; set trainer.n_workers > 1 to use the cluster",
+    )
+    _require(trainer.placement_timeout_s > 0, f"trainer.placement_timeout_s={trainer.placement_timeout_s} must be positive")
+    _require(
+        workers == 1 or cfg.model.fsdp.version in (1, 2),
+        f"model.fsdp.version=0 with trainer.n_workers={workers}: unsharded workers would not average their "
+        f"gradients and would drift apart; use model.fsdp.version=1 or 2",
+    )
 
 
 def check_algorithm(cfg: DictConfig) -> None:

@@ -1,0 +1,42 @@
+"""The actor-rollout worker: one in this process, or a group of them on Ray.
+
+`build_actor_rollout` chooses by `trainer.n_workers`: 1 keeps the worker in the driver's
+process (no Ray, so the default CPU run starts in seconds); more start a Ray worker group
+(`omni.workers.ray_group`) with the same methods.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+
+class WorkerFailure(RuntimeError):
+    """A worker of the group died or raised; the group has been stopped."""
+
+
+class ResourcesUnavailable(RuntimeError):
+    """The machine or the Ray cluster cannot hold the workers asked for; names the keys."""
+
+
+def build_actor_rollout(cfg: DictConfig, model_path: str):
+    """A set-up `ActorRolloutWorker` (n_workers=1) or `ActorRolloutGroup` (n_workers > 1)."""
+    if cfg.trainer.n_workers > 1:
+        from omni.workers.ray_group import ActorRolloutGroup
+
+        return ActorRolloutGroup(cfg, model_path)
+    from omni.workers.actor_rollout import ActorRolloutWorker
+
+    check_local_gpus(cfg.trainer)
+    worker = ActorRolloutWorker(cfg, model_path)
+    worker.setup()
+    return worker
+
+
+def check_local_gpus(trainer: DictConfig) -> None:
+    import torch
+
+    if trainer.n_gpus_per_node > torch.cuda.device_count():
+        raise ResourcesUnavailable(
+            f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} but this machine shows "
+            f"{torch.cuda.device_count()} CUDA device(s); set trainer.n_gpus_per_node=0 to run on the CPU"
+        )

@@ -10,13 +10,13 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from omegaconf import DictConfig
 
 from omni.algorithms import dpo, flow_grpo
-from omni.distributed import init_process_group, pick_device
+from omni.distributed import destroy_process_group, init_process_group, pick_device
 from omni.fsdp_utils import collect_lora_params
 from omni.models.sd3 import PromptEmbeds, predict_velocity
 from omni.rollout.base import RolloutBatch, SamplingOptions
@@ -46,11 +46,35 @@ def adapters_disabled(module: torch.nn.Module):
             layer.enable_adapters(True)
 
 
+def minibatch_rows(n_samples: int, sde_steps, num_minibatches: int, seed: int, first_sample: int = 0):
+    """(samples, steps) of each minibatch of one pass over a batch of `n_samples` trajectories.
+
+    Every sample's SDE steps are shuffled by a generator of its own, seeded by `seed` and the
+    sample's index in the whole batch (`first_sample` + i), and minibatch m takes the m-th
+    share of each sample's steps. A worker holding a shard of the samples therefore holds the
+    same share of every minibatch as the others, and the union over workers is exactly the
+    minibatch one worker builds from the whole batch: sharding does not change the update.
+    """
+    start, stop = sde_steps
+    samples: List[List[torch.Tensor]] = [[] for _ in range(num_minibatches)]
+    steps: List[List[torch.Tensor]] = [[] for _ in range(num_minibatches)]
+    for i in range(n_samples):
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + first_sample + i) % 2**63)
+        order = torch.randperm(stop - start, generator=generator) + start
+        for m, share in enumerate(order.tensor_split(num_minibatches)):
+            samples[m].append(torch.full_like(share, i))
+            steps[m].append(share)
+    minibatches = [(torch.cat(s), torch.cat(j)) for s, j in zip(samples, steps)]
+    return [(s, j) for s, j in minibatches if len(s)]
+
+
 class ActorRolloutWorker:
-    def __init__(self, cfg: DictConfig, model_path: str, rank: int = 0, world_size: int = 1):
+    def __init__(self, cfg: DictConfig, model_path: str, rank: int = 0, world_size: int = 1, local_rank: int = 0):
+        """`rank` and `world_size` place the worker in the actor's process group;
+        `local_rank` is its device index on its machine."""
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
-        self.device = pick_device(cfg.trainer.device, rank)
+        self.device = pick_device(cfg.trainer.device, local_rank)
         self.dtype = torch_dtype(cfg.model.dtype, self.device)
         self.model_path = model_path
         self.lora_cfg = cfg.model.lora
@@ -158,20 +182,17 @@ class ActorRolloutWorker:
             _, _, ref_mean, _ = step_under_current_weights()
         return log_prob.float(), flow_grpo.gaussian_step_kl(mean.float(), ref_mean.float(), scale.float())
 
-    def update(self, batch: RolloutBatch, advantages: torch.Tensor, seed: int) -> Dict[str, float]:
-        """Flow-GRPO update on every (sample, SDE step) transition of the batch."""
-        algo, trainer = self.cfg.algorithm, self.cfg.trainer
-        start, stop = batch.options.sde_steps
-        n_steps = stop - start
-        samples = torch.arange(len(batch)).repeat_interleave(n_steps)
-        steps = torch.arange(start, stop).repeat(len(batch))
+    def update(self, batch: RolloutBatch, advantages: torch.Tensor, seed: int, first_sample: int = 0) -> Dict[str, float]:
+        """Flow-GRPO update on every (sample, SDE step) transition of the batch: each inner
+        epoch is `num_minibatches` optimizer steps (see `minibatch_rows`). A worker of a
+        group passes the index of its first sample in the whole batch as `first_sample`."""
+        algo = self.cfg.algorithm
         totals: Dict[str, List[float]] = {}
-        generator = torch.Generator().manual_seed(seed)
         self.actor.train()
-        for _ in range(algo.num_inner_epochs):
-            order = torch.randperm(len(samples), generator=generator)
-            for minibatch in order.chunk(algo.num_minibatches):
-                metrics = self._minibatch_step(batch, advantages, samples[minibatch], steps[minibatch])
+        for epoch in range(algo.num_inner_epochs):
+            plan = minibatch_rows(len(batch), batch.options.sde_steps, algo.num_minibatches, seed * 1_009 + epoch, first_sample)
+            for samples, steps in plan:
+                metrics = self._minibatch_step(batch, advantages, samples, steps)
                 for key, value in metrics.items():
                     totals.setdefault(key, []).append(value)
         return {key: sum(values) / len(values) for key, values in totals.items()}
@@ -187,7 +208,7 @@ class ActorRolloutWorker:
             adv = advantages[s].to(log_prob.device)
             policy_loss, ratio, clip_fraction = flow_grpo.clipped_policy_loss(log_prob, old_log_prob, adv, algo.clip_range)
             loss = policy_loss + algo.kl_coef * kl.mean()
-            weight = len(rows) / len(samples)
+            weight = len(rows) / len(samples)  # the mean over this worker's rows; FSDP averages the workers
             (loss * weight).backward()
             for key, value in (("loss", loss), ("kl", kl.mean()), ("clip_fraction", clip_fraction), ("ratio", ratio.mean())):
                 sums[key] += float(value.detach()) * weight
@@ -209,19 +230,26 @@ class ActorRolloutWorker:
             ref_err = dpo.per_sample_mse(predict_velocity(self.actor, noisy, sigmas2, cond2, 1.0), target)
         return dpo.diffusion_dpo_loss(policy_err[:n], policy_err[n:], ref_err[:n], ref_err[n:], self.cfg.algorithm.beta)
 
-    def dpo_noise(self, x0: torch.Tensor, seed: int):
+    def dpo_noise(self, shape: torch.Size, seed: int):
+        """Noise levels and noise of `shape[0]` pairs of latents of `shape[1:]`."""
         algo = self.cfg.algorithm
         generator = torch.Generator().manual_seed(seed)
-        sigmas = dpo.sample_sigmas(len(x0), algo.sigma_sampling, generator, algo.logit_mean, algo.logit_std)
-        return sigmas, torch.randn(x0.shape, generator=generator)
+        sigmas = dpo.sample_sigmas(shape[0], algo.sigma_sampling, generator, algo.logit_mean, algo.logit_std)
+        return sigmas, torch.randn(shape, generator=generator)
 
-    def dpo_update(self, x0_chosen, x0_rejected, cond: PromptEmbeds, seed: int) -> Dict[str, float]:
-        """One optimizer step of Diffusion-DPO over the pairs, in micro-batches of pairs."""
-        sigmas, noise = self.dpo_noise(x0_chosen, seed)
+    def dpo_update(
+        self, x0_chosen, x0_rejected, cond: PromptEmbeds, seed: int, first_pair: int = 0, total_pairs: Optional[int] = None
+    ) -> Dict[str, float]:
+        """One optimizer step of Diffusion-DPO over the pairs, in micro-batches of pairs. A
+        worker of a group holds pairs [first_pair, first_pair + n) of `total_pairs`: it draws
+        the whole batch's noise and keeps its rows, so the split does not change the noise."""
+        n = len(x0_chosen)
+        rows_of_batch = slice(first_pair, first_pair + n)
+        sigmas, noise = self.dpo_noise((total_pairs or n, *x0_chosen.shape[1:]), seed)
+        sigmas, noise = sigmas[rows_of_batch], noise[rows_of_batch]
         self.actor.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: Dict[str, float] = {}
-        n = len(x0_chosen)
         for rows in torch.arange(n).split(max(1, self.cfg.trainer.micro_batch_size // 2)):
             out = self.dpo_outputs(x0_chosen[rows], x0_rejected[rows], cond.apply(lambda t: t[rows]), sigmas[rows], noise[rows])
             (out["loss"] * len(rows) / n).backward()
@@ -233,8 +261,10 @@ class ActorRolloutWorker:
 
     @torch.no_grad()
     def dpo_evaluate(self, x0_chosen, x0_rejected, cond: PromptEmbeds, seed: int) -> Dict[str, float]:
-        sigmas, noise = self.dpo_noise(x0_chosen, seed)
+        sigmas, noise = self.dpo_noise(x0_chosen.shape, seed)
         return {k: float(v) for k, v in self.dpo_outputs(x0_chosen, x0_rejected, cond, sigmas, noise).items()}
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        if self.world_size > 1:
+            destroy_process_group()

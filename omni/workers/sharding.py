@@ -37,7 +37,7 @@ def wrap_fsdp(module: nn.Module, version: int, layer_prefixes: Sequence[str], de
             module.to(device),
             auto_wrap_policy=policy,
             use_orig_params=True,  # frozen base and trainable LoRA share units
-            device_id=device if device.type == "cuda" else None,
+            device_id=device,  # also on CPU: without it FSDP1 looks for an accelerator
         )
     if version == 2:
         from torch.distributed.fsdp import fully_shard

@@ -26,6 +26,12 @@ BAD = [
     (["trainer.resume=/nonexistent/ckpt"], "trainer.resume"),
     (["data.train=/nonexistent/prompts.txt"], "data.train"),
     (["data.eval=omni:no_such_set"], "data.eval"),
+    (["trainer.n_workers=2", "trainer.n_gpus_per_node=1"], "trainer.n_workers=2"),
+    (["trainer.n_workers=2", "trainer.nnodes=4"], "trainer.nnodes=4"),
+    (["trainer.n_workers=2", "trainer.device=cuda"], "trainer.n_gpus_per_node"),
+    (["trainer.n_gpus_per_node=1", "trainer.device=cpu"], "trainer.device=cpu"),
+    (["trainer.ray_address=auto"], "trainer.ray_address"),
+    (["trainer.n_workers=2", "model.fsdp.version=0"], "model.fsdp.version=0"),
 ]
 
 

@@ -13,12 +13,12 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parents[2]
 
 
-def train(run_dir, cache, *overrides, check=True):
+def train(run_dir, cache, *overrides, check=True, timeout=None, env=None):
     command = [
         sys.executable, "recipes/train.py", f"hydra.run.dir={run_dir}", f"model.cache_dir={cache}",
         "trainer.progress_bar=false", *overrides,
     ]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     if check and result.returncode != 0:
         raise AssertionError(f"train.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result

@@ -1,0 +1,140 @@
+"""How the training driver and an out-of-process rollout engine exchange data.
+
+Two channels, both built on safetensors so tensors cross bit-exact:
+
+- messages: one HTTP POST per call whose body (both ways) is a safetensors blob; the
+  non-tensor part rides in its metadata as JSON (`pack` / `unpack`, `post`);
+- weights: a directory per sync in a directory both sides can read, written atomically
+  (a temporary directory renamed into place), so the engine never sees half a file. Base
+  weights are `model.safetensors`; a LoRA is a PEFT adapter directory
+  (`adapter_model.safetensors` + `adapter_config.json`, loadable by PEFT and vLLM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from safetensors.torch import load, load_file, save, save_file
+
+from omni.config.model import LoraConfig
+
+BASE_FILE = "model.safetensors"
+LORA_FILE = "adapter_model.safetensors"
+LORA_CONFIG_FILE = "adapter_config.json"
+SYNC_FILE = "omni_sync.json"
+# PEFT saves adapter tensors under the wrapped model's prefix.
+PEFT_PREFIX = "base_model.model."
+_JSON_KEY = "json"
+
+
+# ----------------------------------------------------------------- messages
+def pack(tensors: Optional[Dict[str, torch.Tensor]] = None, meta: Optional[Dict[str, Any]] = None) -> bytes:
+    """Tensors and JSON-able metadata -> one safetensors blob."""
+    tensors = {name: t.detach().contiguous().cpu() for name, t in (tensors or {}).items()}
+    return save(tensors, metadata={_JSON_KEY: json.dumps(meta or {})})
+
+
+def unpack(blob: bytes) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """Inverse of `pack`."""
+    header_len = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + header_len])
+    meta = json.loads(header.get("__metadata__", {}).get(_JSON_KEY, "{}"))
+    return dict(load(blob)), meta
+
+
+class EngineError(RuntimeError):
+    """The engine answered with an error (its message is the engine's)."""
+
+
+def post(url: str, route: str, body: bytes, timeout: float) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """POST a packed message to `url/route`; returns the unpacked answer."""
+    request = urllib.request.Request(
+        f"{url.rstrip('/')}/{route}", data=body, method="POST", headers={"Content-Type": "application/octet-stream"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return unpack(response.read())
+    except urllib.error.HTTPError as error:
+        raise EngineError(f"{route}: {error.read().decode(errors='replace')}") from None
+
+
+def get_json(url: str, route: str, timeout: float) -> Dict[str, Any]:
+    with urllib.request.urlopen(f"{url.rstrip('/')}/{route}", timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+# ----------------------------------------------------------------- weights
+def _atomic_dir(root: Path, name: str, write) -> Path:
+    """Fill a temporary directory with `write(tmp)`, then rename it to root/name."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / name
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
+    try:
+        write(tmp)
+        for path in tmp.iterdir():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _owned(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Contiguous CPU tensors; safetensors refuses two names on one storage, so copy repeats."""
+    out, storages = {}, set()
+    for name, t in tensors.items():
+        t = t.detach().cpu().contiguous()
+        storage = t.untyped_storage().data_ptr()
+        out[name] = t.clone() if storage in storages else t
+        storages.add(storage)
+    return out
+
+
+def write_base_weights(root: Path, name: str, tensors: Dict[str, torch.Tensor]) -> Path:
+    """The transformer's full weights (plain state_dict names) as root/name/model.safetensors."""
+
+    def write(tmp: Path) -> None:
+        save_file(_owned(tensors), str(tmp / BASE_FILE))
+        (tmp / SYNC_FILE).write_text(json.dumps({"kind": "base"}))
+
+    return _atomic_dir(Path(root), name, write)
+
+
+def write_lora_adapter(root: Path, name: str, tensors: Dict[str, torch.Tensor], lora: LoraConfig) -> Path:
+    """A LoRA (PEFT names without the adapter name) as a PEFT adapter directory."""
+    from omni.weights import peft_lora_config
+
+    def write(tmp: Path) -> None:
+        save_file({PEFT_PREFIX + k: v for k, v in _owned(tensors).items()}, str(tmp / LORA_FILE))
+        peft_lora_config(lora).save_pretrained(str(tmp))
+        (tmp / SYNC_FILE).write_text(json.dumps({"kind": "lora", "adapter_name": lora.adapter_name}))
+
+    return _atomic_dir(Path(root), name, write)
+
+
+def read_weights(path: Path, device: str = "cpu") -> Tuple[str, Dict[str, torch.Tensor], Optional[LoraConfig]]:
+    """(kind, tensors, lora) from a directory written above; kind is 'base' or 'lora'."""
+    path = Path(path)
+    sync = json.loads((path / SYNC_FILE).read_text())
+    if sync["kind"] == "base":
+        return "base", load_file(str(path / BASE_FILE), device=device), None
+    config = json.loads((path / LORA_CONFIG_FILE).read_text())
+    lora = LoraConfig(
+        rank=config["r"],
+        alpha=config["lora_alpha"],
+        target_modules=sorted(config["target_modules"]),
+        adapter_name=sync["adapter_name"],
+    )
+    tensors = load_file(str(path / LORA_FILE), device=device)
+    return "lora", {k[len(PEFT_PREFIX) :] if k.startswith(PEFT_PREFIX) else k: v for k, v in tensors.items()}, lora

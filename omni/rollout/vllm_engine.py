@@ -1,0 +1,239 @@
+"""`rollout=vllm`: the driver's side of the vLLM-Omni rollout engine.
+
+vLLM-Omni pins diffusers/transformers versions that conflict with verl's, so the engine
+runs in its own environment and process (`omni.rollout.vllm_server`). `VllmEngine` either
+starts it with that environment's python (and stops it with the run) or attaches to one
+already running (`rollout.options.url`). Calls go over HTTP as safetensors blobs; weights
+from `collect_lora_params` go through a directory both sides read (`omni.rollout.transport`):
+the base weights once when the engine started without them, then LoRA adapters.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import functools
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, Optional, Sequence
+
+import torch
+from omegaconf import OmegaConf
+
+import omni
+from omni.config.model import LoraConfig
+from omni.config.rollout import VllmOptions
+from omni.models.sd3 import PromptEmbeds
+from omni.rollout.base import RolloutBatch, SamplingOptions
+from omni.rollout.transport import get_json, pack, post, write_base_weights, write_lora_adapter
+from omni.rollout.vllm_protocol import batch_from_tensors
+
+logger = logging.getLogger(__name__)
+DEFAULT_ENV = "~/.cache/omni-recipes/vllm-engine"
+INSTALL_HINT = (
+    "rollout=vllm runs vLLM-Omni in its own environment (its pins conflict with verl's, so there is "
+    "no `pip install omni-recipes[vllm]`): create it with `bash scripts/install_vllm_engine.sh` "
+    f"(into {DEFAULT_ENV}), or point rollout.options.python=/path/to/env/bin/python at an env with "
+    "vllm-omni, or attach to a running engine with rollout.options.url=http://host:port "
+    "(started by `ENV/bin/python -m omni.rollout.vllm_server --model ...`)"
+)
+
+
+def vllm_options(options) -> VllmOptions:
+    """`rollout.options` (typed, or the plain dict of a resolved config) as VllmOptions."""
+    if OmegaConf.is_config(options):
+        options = OmegaConf.to_container(options, resolve=True)
+    options = dict(options or {})
+    known = {f.name for f in dataclasses.fields(VllmOptions)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"rollout.options: unknown {unknown} for rollout=vllm; known: {sorted(known)}")
+    return VllmOptions(**options)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_vllm_omni(python: str) -> bool:
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm_omni') is None)"
+    return subprocess.run([python, "-c", probe], capture_output=True).returncode == 0
+
+
+def engine_python(options: VllmOptions) -> Optional[str]:
+    """The engine env's python, or None when none is found. The local backend needs only
+    this package's dependencies, so it defaults to this python."""
+    if options.python:
+        return options.python
+    if options.backend == "local":
+        return sys.executable
+    env_python = os.environ.get("OMNI_VLLM_PYTHON")
+    if env_python:
+        return env_python
+    default = Path(DEFAULT_ENV).expanduser() / "bin" / "python"
+    if default.exists():
+        return str(default)
+    return sys.executable if _has_vllm_omni(sys.executable) else None
+
+
+def engine_unavailable(options: VllmOptions) -> Optional[str]:
+    """Why the engine cannot start (None when it can): checked before any model loads."""
+    if options.backend not in ("vllm", "local"):
+        return f"rollout.options.backend={options.backend}: expected vllm or local"
+    if options.url:
+        return None if options.url.startswith(("http://", "https://")) else f"rollout.options.url={options.url}: expected http://host:port"
+    python = engine_python(options)
+    if python is None:
+        return f"no vLLM-Omni engine environment found. {INSTALL_HINT}"
+    if not Path(python).exists():
+        return f"rollout.options.python={python}: no such file. {INSTALL_HINT}"
+    if options.backend == "vllm" and not _has_vllm_omni(python):
+        return f"{python} has no vllm_omni installed. {INSTALL_HINT}"
+    return None
+
+
+def _engine_env(device: torch.device) -> Dict[str, str]:
+    """The driver's environment, with our package importable and the worker's device: its
+    GPU visible, or on a CPU our vLLM-Omni CPU platform (vLLM-Omni has none of its own)."""
+    env = dict(os.environ)
+    repo = str(Path(omni.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
+    if device.type == "cpu":
+        env.setdefault("OMNI_VLLM_CPU", "1")
+    if device.type == "cuda":
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        index = device.index or 0
+        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
+    return env
+
+
+class VllmEngine:
+    """The rollout engine interface (`omni.rollout.base.RolloutEngine`) over HTTP."""
+
+    def __init__(self, options: VllmOptions, url: str, shared_dir: Path, process: Optional[subprocess.Popen] = None):
+        self.options, self.url, self.process = options, url, process
+        self.shared_dir = Path(shared_dir)
+        self.shared_dir.mkdir(parents=True, exist_ok=True)
+        self._versions = 0
+        self._last_sync: Optional[Path] = None
+        self.has_base = bool(get_json(url, "health", timeout=30)["has_base"])
+
+    # ----------------------------------------------------------------- start / attach
+    @classmethod
+    def start(cls, options: VllmOptions, model_path: str, device: torch.device, dtype: torch.dtype, micro_batch_size: int, load_base: bool, run_dir: Path) -> "VllmEngine":
+        """Attach to `options.url`, or start an engine process for `model_path`."""
+        shared_dir = Path(options.shared_dir or Path(run_dir) / "vllm_engine") / f"worker-{os.getpid()}"
+        if options.url:
+            served = get_json(options.url, "health", timeout=30)["model"]
+            if Path(served).name != Path(model_path).name:
+                logger.warning("the engine at %s serves %s, the run trains %s", options.url, served, model_path)
+            return cls(options, options.url, shared_dir)
+        problem = engine_unavailable(options)
+        if problem:
+            raise RuntimeError(problem)
+        url, process = _launch(options, model_path, device, dtype, micro_batch_size, load_base, shared_dir)
+        return cls(options, url, shared_dir, process)
+
+    # ----------------------------------------------------------------- rollout
+    def generate(self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions) -> RolloutBatch:
+        if len(prompts) != len(seeds):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        meta = {"prompts": list(prompts), "seeds": [int(s) for s in seeds], "options": dataclasses.asdict(options)}
+        tensors, _ = post(self.url, "generate", pack(meta=meta), self.options.request_timeout)
+        return batch_from_tensors(prompts, tensors, options)
+
+    def encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> PromptEmbeds:
+        meta = {"prompts": list(prompts), "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length}
+        tensors, _ = post(self.url, "encode_prompts", pack(meta=meta), self.options.request_timeout)
+        return PromptEmbeds(**tensors)
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        tensors, _ = post(self.url, "encode_images", pack({"images": images}), self.options.request_timeout)
+        return tensors["latents"]
+
+    # ----------------------------------------------------------------- weights
+    def update_weights(self, named_tensors: Dict[str, torch.Tensor], base_sync_done: bool, lora: Optional[LoraConfig]) -> None:
+        """Base weights (base_sync_done False) or the LoRA of `lora.adapter_name`, written
+        to the shared directory and loaded by the engine before this returns."""
+        if base_sync_done and not self.has_base:
+            raise RuntimeError("the engine got LoRA weights before any base weights; sync the base first")
+        self._versions += 1
+        name = f"{'lora' if base_sync_done else 'base'}-{self._versions:06d}"
+        if base_sync_done:
+            path = write_lora_adapter(self.shared_dir, name, named_tensors, lora)
+        else:
+            path = write_base_weights(self.shared_dir, name, named_tensors)
+        _, answer = post(self.url, "update_weights", pack(meta={"path": str(path.resolve())}), self.options.request_timeout)
+        self.has_base = bool(answer["has_base"])
+        if self._last_sync is not None:
+            shutil.rmtree(self._last_sync, ignore_errors=True)  # loaded: the engine no longer reads it
+        self._last_sync = path
+
+    def shutdown(self) -> None:
+        """Stop the engine if we started it (an attached one keeps running)."""
+        if self.process is not None:
+            try:
+                post(self.url, "shutdown", pack(), timeout=30)
+            except OSError:
+                pass
+            _stop_process(self.process)
+            self.process = None
+        if self._last_sync is not None:
+            shutil.rmtree(self._last_sync, ignore_errors=True)
+            self._last_sync = None
+
+
+def _launch(options, model_path, device, dtype, micro_batch_size, load_base, shared_dir: Path):
+    """Start `omni.rollout.vllm_server` with the engine env's python; wait until it answers."""
+    from omni.distributed import free_port
+
+    port = free_port()
+    command = [engine_python(options), "-m", "omni.rollout.vllm_server", "--model", str(model_path), "--port", str(port)]
+    command += ["--dtype", str(dtype).removeprefix("torch."), "--max-num-seqs", str(micro_batch_size), "--backend", options.backend]
+    command += ["--device", device.type, "--engine-args", json.dumps(dict(options.engine_args)), "--exit-with-parent"]
+    command += [] if load_base else ["--no-load-base"]
+    shared_dir.mkdir(parents=True, exist_ok=True)
+    log = shared_dir / "engine.log"
+    with open(log, "ab") as out:
+        # its own session, so that stopping it stops vLLM-Omni's worker processes too
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_engine_env(device), start_new_session=True)
+    atexit.register(_stop_process, process, 0.0)
+    url = f"http://127.0.0.1:{port}"
+    _wait_until_healthy(url, process, log, options.startup_timeout)
+    return url, process
+
+
+def _wait_until_healthy(url: str, process: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = log.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"the vLLM-Omni engine exited with code {process.returncode} while starting; {log}:\n{tail}")
+        try:
+            get_json(url, "health", timeout=5)
+            return
+        except OSError:
+            time.sleep(1.0)
+    _stop_process(process)
+    raise TimeoutError(f"the vLLM-Omni engine did not answer {url}/health within {timeout:.0f} s (rollout.options.startup_timeout); see {log}")
+
+
+def _stop_process(process: subprocess.Popen, grace: float = 30.0) -> None:
+    """Give the engine `grace` seconds to exit after /shutdown, then SIGTERM, then SIGKILL
+    its process group (the server and vLLM-Omni's workers)."""
+    for sig, wait in ((None, grace), (signal.SIGTERM, 15.0), (signal.SIGKILL, 15.0)):
+        if process.poll() is not None:
+            return
+        if sig is not None:
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                return
+        try:
+            process.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue

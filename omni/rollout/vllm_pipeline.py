@@ -1,0 +1,115 @@
+"""Our pipeline class for vLLM-Omni: Flow-GRPO SDE sampling with log-probs on SD3.
+
+vLLM-Omni has no SDE sampler and reports no log-probs, but runs a custom pipeline class
+(`custom_pipeline_args={"pipeline_class": "omni.rollout.vllm_pipeline.FlowGRPOSD3Pipeline"}`).
+This is that class. It wraps our in-process engine (`DiffusersEngine`: the diffusers SD3
+components, PEFT LoRA on the transformer) and samples with the very function the
+in-process engine uses, so its log-probs equal the diffusers engine's for the same model,
+seeds and weights. vLLM-Omni contributes the serving: its process, request scheduling
+and co-batching, device placement, RPC into the worker.
+
+Nothing here imports vLLM: `forward` imports vLLM-Omni's `DiffusionOutput` when called
+(inside the engine), and everything else runs and is tested on a CPU without vLLM.
+Weights arrive as directories from `omni.rollout.transport` (the worker extension in
+`omni.rollout.vllm_worker` calls `sync_weights_from`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+from omni.rollout.base import RolloutBatch, SamplingOptions
+from omni.rollout.diffusers_engine import load_diffusers_engine
+from omni.rollout.transport import read_weights
+from omni.rollout.vllm_protocol import group_by_options, output_fields, prompt_text
+
+PIPELINE_CLASS = "omni.rollout.vllm_pipeline.FlowGRPOSD3Pipeline"
+
+
+class FlowGRPOSD3Pipeline(torch.nn.Module):
+    """Built by vLLM-Omni as `FlowGRPOSD3Pipeline(od_config=...)` on the CPU, then moved to
+    the device with `.to()`. Reads `od_config.model`, `od_config.dtype` and our
+    `od_config.custom_pipeline_args["load_base"]` (False: a dummy transformer until the
+    first weight sync)."""
+
+    # vLLM-Omni hands us a whole batch of co-scheduled requests per forward.
+    supports_request_batch = True
+    # Component names for vLLM-Omni's discovery (offloading, memory accounting).
+    _dit_modules = ["transformer"]
+    _encoder_modules = ["text_encoder", "text_encoder_2", "text_encoder_3"]
+    _vae_modules = ["vae"]
+
+    def __init__(self, *, od_config, prefix: str = ""):
+        super().__init__()
+        self.od_config = od_config
+        args = od_config.custom_pipeline_args or {}
+        # micro_batch_size is per call: each forward samples its requests in one pass.
+        self.engine = load_diffusers_engine(
+            od_config.model, torch.device("cpu"), od_config.dtype, micro_batch_size=1, load_base=args.get("load_base", True)
+        )
+        pipe = self.engine.pipe
+        # Registered as submodules so vLLM-Omni's `.to(device)` moves them.
+        self.transformer, self.vae = pipe.transformer, pipe.vae
+        self.text_encoder, self.text_encoder_2, self.text_encoder_3 = pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3
+
+    # ----------------------------------------------------------------- loading
+    def load_weights(self, weights: Iterable) -> Optional[set]:
+        """vLLM-Omni's loader hook. The components loaded themselves in __init__ and we
+        declare no `weights_sources`, so this receives nothing at start; returning None
+        skips the loader's check that every parameter came from a checkpoint."""
+        for _ in weights:
+            raise ValueError("FlowGRPOSD3Pipeline loads its weights itself; sync them with sync_weights_from")
+        return None
+
+    def sync_weights_from(self, path: str) -> Dict[str, Any]:
+        """Load a weight directory (base or LoRA) written by `omni.rollout.transport`."""
+        kind, tensors, lora = read_weights(path)
+        self.engine.update_weights(tensors, base_sync_done=kind == "lora", lora=lora)
+        return {"kind": kind, "tensors": len(tensors), "has_base": self.engine.has_base}
+
+    @property
+    def has_base(self) -> bool:
+        return self.engine.has_base
+
+    # ----------------------------------------------------------------- sampling
+    def _on_device(self):
+        # vLLM-Omni moved the modules after __init__; the engine samples where they are.
+        self.engine.device = self.transformer.device
+        return self.engine
+
+    def sample(self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions) -> RolloutBatch:
+        engine = self._on_device()
+        engine.micro_batch_size = max(1, len(prompts))
+        return engine.generate(prompts, seeds, options)
+
+    def forward_fields(self, batch) -> List[Dict[str, Any]]:
+        """`DiffusionOutput` fields for each request of a vLLM-Omni request batch (anything
+        with `.prompts` and `.sampling_params_list`), in the batch's order."""
+        prompts = [prompt_text(p) for p in batch.prompts]
+        params = batch.sampling_params_list
+        fields: List[Optional[Dict[str, Any]]] = [None] * len(prompts)
+        for options, rows in group_by_options(prompts, params):
+            sampled = self.sample([prompts[i] for i in rows], [_seed(params[i]) for i in rows], options)
+            for j, i in enumerate(rows):
+                fields[i] = output_fields(sampled, j)
+        return fields
+
+    def forward(self, batch) -> list:
+        from vllm_omni.diffusion.data import DiffusionOutput
+
+        return [DiffusionOutput(**fields) for fields in self.forward_fields(batch)]
+
+    # ----------------------------------------------------------------- encoding (DPO)
+    def encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int):
+        return self._on_device().encode_prompts(prompts, guidance_scale, max_sequence_length)
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        return self._on_device().encode_images(images)
+
+
+def _seed(params) -> int:
+    if params.seed is None:
+        raise ValueError("a rollout request needs a seed (its image's noise is drawn from it)")
+    return int(params.seed)

@@ -1,0 +1,150 @@
+"""One image's request to vLLM-Omni and its answer, as plain data (no vLLM import here).
+
+The engine process submits one vLLM-Omni request per image; vLLM-Omni co-batches
+compatible requests (up to `max_num_seqs`) into one call of our pipeline's `forward`.
+
+- request: the prompt as an `OmniTextPrompt` dict; `OmniDiffusionSamplingParams` fields
+  for steps, size, guidance, text length and the image's seed; our SDE options (noise
+  level, SDE window) under `extra_args["omni_rollout"]`, the params' free-form slot.
+- answer (`DiffusionOutput` fields): the image as the output payload, the latent
+  trajectory, per-step log-probs and noise levels in the `trajectory_*` fields vLLM-Omni
+  keeps for RL, and the text embeddings in an `omni_rollout` metadata group (vLLM-Omni
+  0.30 replaced `custom_output` by metadata groups).
+
+`emulate_request_output` mirrors what vLLM-Omni's output formatter makes of those fields,
+for the engine's local backend; the contract tests check it against the real formatter.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from omni.models.sd3 import PromptEmbeds
+from omni.rollout.base import RolloutBatch, SamplingOptions
+
+ROLLOUT_KEY = "omni_rollout"
+COND_FIELDS = ("embeds", "pooled", "neg_embeds", "neg_pooled")
+# What a request without our options (vLLM-Omni's start-up warm-up) is sampled with.
+DEFAULT_RESOLUTION = 512
+DEFAULT_MAX_SEQUENCE_LENGTH = 256
+
+
+def request_inputs(prompt: str, seed: int, options: SamplingOptions) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(prompt, sampling-params keyword arguments) of one image's request."""
+    sampling = dict(
+        num_inference_steps=options.num_steps,
+        height=options.resolution,
+        width=options.resolution,
+        guidance_scale=options.guidance_scale,
+        max_sequence_length=options.max_sequence_length,
+        seed=int(seed),
+        num_outputs_per_prompt=1,
+        extra_args={ROLLOUT_KEY: {"noise_level": options.noise_level, "sde_steps": list(options.sde_steps)}},
+    )
+    return {"prompt": prompt}, sampling
+
+
+def prompt_text(prompt) -> str:
+    return prompt if isinstance(prompt, str) else (prompt.get("prompt") or "")
+
+
+def options_from_sampling_params(params) -> SamplingOptions:
+    """Inverse of `request_inputs` for the options; a request without ours samples
+    deterministically (all ODE steps) with vLLM-Omni's values or the defaults above."""
+    ours = (getattr(params, "extra_args", None) or {}).get(ROLLOUT_KEY, {})
+    return SamplingOptions(
+        num_steps=int(params.num_inference_steps or 2),
+        resolution=int(params.height or DEFAULT_RESOLUTION),
+        guidance_scale=float(params.guidance_scale or 0.0),
+        noise_level=float(ours.get("noise_level", 0.0)),
+        max_sequence_length=int(params.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH),
+        sde_steps=tuple(ours.get("sde_steps", (0, 0))),
+    )
+
+
+def group_by_options(prompts: Sequence, params_list: Sequence) -> List[Tuple[SamplingOptions, List[int]]]:
+    """Requests of one vLLM-Omni batch grouped by their sampling options (one sampler call each)."""
+    groups: Dict[Tuple, Tuple[SamplingOptions, List[int]]] = {}
+    for i, params in enumerate(params_list):
+        options = options_from_sampling_params(params)
+        key = tuple(vars(options).values())
+        groups.setdefault(key, (options, []))[1].append(i)
+    return list(groups.values())
+
+
+def output_fields(batch: RolloutBatch, row: int) -> Dict[str, Any]:
+    """`DiffusionOutput` keyword arguments for image `row` of a sampled batch."""
+    cond = {name: getattr(batch.cond, name)[row] for name in COND_FIELDS if getattr(batch.cond, name) is not None}
+    return dict(
+        output={"payload": {"image": batch.images[row]}, "metadata": {ROLLOUT_KEY: cond}},
+        trajectory_latents=batch.latents[row],
+        trajectory_log_probs=batch.log_probs[row],
+        trajectory_timesteps=batch.sigmas,
+    )
+
+
+def emulate_request_output(fields: Dict[str, Any]) -> SimpleNamespace:
+    """The `OmniRequestOutput` attributes vLLM-Omni's formatter derives from `fields` (an
+    envelope output passed through an identity post-process)."""
+    envelope = fields["output"]
+    return SimpleNamespace(
+        error=None,
+        images=[envelope["payload"]["image"]],
+        trajectory_latents=fields["trajectory_latents"],
+        trajectory_log_probs=fields["trajectory_log_probs"],
+        trajectory_timesteps=fields["trajectory_timesteps"],
+        multimodal_output={"metadata": envelope["metadata"]},
+    )
+
+
+def _image_tensor(image) -> torch.Tensor:
+    """(3, H, W) in [0, 1]; a PIL image (if a formatter converted ours) is read back."""
+    if isinstance(image, torch.Tensor):
+        return image.float()
+    import numpy as np
+
+    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
+
+
+def result_from_output(output) -> Dict[str, torch.Tensor]:
+    """One image's tensors from a finished `OmniRequestOutput`."""
+    if getattr(output, "error", None):
+        raise RuntimeError(f"vLLM-Omni request failed: {output.error}")
+    metadata = (output.multimodal_output or {}).get("metadata", {})
+    if ROLLOUT_KEY not in metadata or not output.images:
+        raise RuntimeError(
+            "vLLM-Omni's answer lacks the rollout payload: is the engine running "
+            "omni.rollout.vllm_pipeline.FlowGRPOSD3Pipeline with output_type='latent'?"
+        )
+    result = {name: t for name, t in metadata[ROLLOUT_KEY].items()}
+    result.update(
+        image=_image_tensor(output.images[0]),
+        latents=output.trajectory_latents,
+        log_probs=output.trajectory_log_probs,
+        sigmas=output.trajectory_timesteps,
+    )
+    return {name: torch.as_tensor(t).cpu() for name, t in result.items()}
+
+
+def collate_results(prompts: Sequence[str], results: Sequence[Dict[str, torch.Tensor]], options: SamplingOptions) -> RolloutBatch:
+    """Per-image results -> the batch the actor re-scores."""
+    stack = lambda name: torch.stack([r[name] for r in results])  # noqa: E731
+    cond = PromptEmbeds(*(stack(name) if name in results[0] else None for name in COND_FIELDS))
+    return RolloutBatch(
+        list(prompts), stack("image"), stack("latents"), stack("log_probs").float(), results[0]["sigmas"], cond, options
+    )
+
+
+def batch_to_tensors(batch: RolloutBatch) -> Dict[str, torch.Tensor]:
+    """A sampled batch as named tensors (the engine's HTTP answer)."""
+    tensors = dict(images=batch.images, latents=batch.latents, log_probs=batch.log_probs, sigmas=batch.sigmas)
+    tensors.update({name: getattr(batch.cond, name) for name in COND_FIELDS if getattr(batch.cond, name) is not None})
+    return tensors
+
+
+def batch_from_tensors(prompts: Sequence[str], tensors: Dict[str, torch.Tensor], options: SamplingOptions) -> RolloutBatch:
+    cond = PromptEmbeds(*(tensors.get(name) for name in COND_FIELDS))
+    return RolloutBatch(list(prompts), tensors["images"], tensors["latents"], tensors["log_probs"], tensors["sigmas"], cond, options)

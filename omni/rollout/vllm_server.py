@@ -1,0 +1,261 @@
+"""The rollout engine process: vLLM-Omni running our pipeline, behind a small HTTP API.
+
+Runs in the engine's own environment (scripts/install_vllm_engine.sh); the training
+driver starts it (rollout=vllm) or attaches to it (rollout.options.url=http://host:port):
+
+    ENV/bin/python -m omni.rollout.vllm_server --model /ckpt/sd3.5-medium --port 8765
+
+API (bodies are `omni.rollout.transport.pack` blobs; see `omni.rollout.vllm_engine`):
+    GET  /health          {"ok", "has_base", "model", "backend"}
+    POST /generate        prompts, seeds, options -> images, latents, log_probs, sigmas, embeddings
+    POST /update_weights  a weight directory's path -> loaded into the pipeline's transformer
+    POST /encode_prompts  prompts -> text embeddings;  POST /encode_images  images -> latents
+    POST /shutdown
+
+Backends: `vllm` (AsyncOmni with `FlowGRPOSD3Pipeline` and our worker extension, one
+request per image) and `local` (the same pipeline class called in this process, through
+the same request/answer mapping: runs without vLLM, for tests and debugging).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import threading
+import traceback
+import uuid
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from types import SimpleNamespace
+from typing import Any, Dict, List, Sequence
+
+import torch
+
+from omni.models.sd3 import PromptEmbeds
+from omni.rollout.base import RolloutBatch, SamplingOptions
+from omni.rollout.transport import pack, unpack
+from omni.rollout.vllm_pipeline import PIPELINE_CLASS, FlowGRPOSD3Pipeline
+from omni.rollout.vllm_protocol import (
+    batch_to_tensors,
+    collate_results,
+    emulate_request_output,
+    request_inputs,
+    result_from_output,
+)
+
+logger = logging.getLogger("omni.vllm_server")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LocalBackend:
+    """Our pipeline in this process, fed the requests vLLM-Omni would get, in batches of
+    `max_num_seqs`; its answers go through the formatter's mapping (`emulate_request_output`)."""
+
+    def __init__(self, args):
+        od_config = SimpleNamespace(model=args.model, dtype=DTYPES[args.dtype], custom_pipeline_args={"load_base": args.load_base})
+        self.pipeline = FlowGRPOSD3Pipeline(od_config=od_config).to(args.device)
+        self.max_num_seqs = args.max_num_seqs
+
+    def has_base(self) -> bool:
+        return self.pipeline.has_base
+
+    def generate(self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions) -> RolloutBatch:
+        requests = [request_inputs(p, s, options) for p, s in zip(prompts, seeds)]
+        results = []
+        for start in range(0, len(requests), self.max_num_seqs):
+            chunk = requests[start : start + self.max_num_seqs]
+            batch = SimpleNamespace(
+                prompts=[prompt for prompt, _ in chunk],
+                sampling_params_list=[SimpleNamespace(**sampling) for _, sampling in chunk],
+            )
+            results += [result_from_output(emulate_request_output(f)) for f in self.pipeline.forward_fields(batch)]
+        return collate_results(prompts, results, options)
+
+    def sync_weights(self, path: str) -> Dict[str, Any]:
+        return self.pipeline.sync_weights_from(path)
+
+    def encode_prompts(self, prompts, guidance_scale, max_sequence_length) -> PromptEmbeds:
+        return self.pipeline.encode_prompts(prompts, guidance_scale, max_sequence_length)
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        return self.pipeline.encode_images(images)
+
+    def close(self) -> None:
+        self.pipeline = None
+
+
+def engine_kwargs(args) -> Dict[str, Any]:
+    """AsyncOmni's keyword arguments: our pipeline class and worker extension, and the
+    settings the pipeline relies on; `--engine-args` adds to or overrides the rest."""
+    from omni.rollout.vllm_worker import WORKER_EXTENSION_CLASS
+
+    ours = dict(
+        custom_pipeline_args={"pipeline_class": PIPELINE_CLASS, "load_base": args.load_base},
+        worker_extension_cls=WORKER_EXTENSION_CLASS,
+        enforce_eager=True,  # PEFT adapters are injected after start-up: no captured graphs
+        max_num_seqs=args.max_num_seqs,
+        dtype=args.dtype,
+        output_type="latent",  # SD3's post-process then passes our payload through untouched
+    )
+    return {**ours, **json.loads(args.engine_args)}
+
+
+class VllmOmniBackend:
+    """AsyncOmni on its own event-loop thread; HTTP handlers wait on its coroutines."""
+
+    def __init__(self, args):
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="vllm-omni-loop", daemon=True).start()
+        self.omni = self._wait(self._start(args))
+
+    def _wait(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    async def _start(self, args):
+        from vllm_omni.entrypoints.async_omni import AsyncOmni
+
+        return AsyncOmni(model=args.model, **engine_kwargs(args))
+
+    def _rpc(self, method: str, *args):
+        """Call a worker-extension method; the answer of the first worker of the (only) stage."""
+        result = self._wait(self.omni.collective_rpc(method, args=args))
+        while isinstance(result, list):  # per stage, then per worker
+            result = result[0]
+        return result
+
+    def has_base(self) -> bool:
+        return bool(self._rpc("omni_has_base"))
+
+    async def _generate_one(self, prompt, sampling: Dict[str, Any], request_id: str):
+        from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+        last = None
+        async for output in self.omni.generate(
+            prompt=prompt, request_id=request_id, sampling_params_list=[OmniDiffusionSamplingParams(**sampling)]
+        ):
+            last = output
+        return result_from_output(last)
+
+    async def _generate(self, prompts, seeds, options) -> List[Dict[str, torch.Tensor]]:
+        call = uuid.uuid4().hex[:8]
+        requests = [request_inputs(p, s, options) for p, s in zip(prompts, seeds)]
+        return await asyncio.gather(
+            *(self._generate_one(prompt, sampling, f"omni-{call}-{i}") for i, (prompt, sampling) in enumerate(requests))
+        )
+
+    def generate(self, prompts, seeds, options) -> RolloutBatch:
+        return collate_results(prompts, self._wait(self._generate(prompts, seeds, options)), options)
+
+    def sync_weights(self, path: str) -> Dict[str, Any]:
+        return self._rpc("omni_sync_weights", path)
+
+    def encode_prompts(self, prompts, guidance_scale, max_sequence_length) -> PromptEmbeds:
+        return PromptEmbeds(**self._rpc("omni_encode_prompts", list(prompts), guidance_scale, max_sequence_length))
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        return self._rpc("omni_encode_images", images)
+
+    def close(self) -> None:
+        self.omni.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def handle(backend, route: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> bytes:
+    """One API call -> the packed answer."""
+    if route == "generate":
+        options = SamplingOptions(**{**meta["options"], "sde_steps": tuple(meta["options"]["sde_steps"])})
+        return pack(batch_to_tensors(backend.generate(meta["prompts"], meta["seeds"], options)))
+    if route == "update_weights":
+        return pack(meta=backend.sync_weights(meta["path"]))
+    if route == "encode_prompts":
+        cond = backend.encode_prompts(meta["prompts"], meta["guidance_scale"], meta["max_sequence_length"])
+        return pack({name: t for name, t in vars(cond).items() if t is not None})
+    if route == "encode_images":
+        return pack({"latents": backend.encode_images(tensors["images"])})
+    raise KeyError(f"unknown route /{route}")
+
+
+def make_handler(backend, info: Dict[str, Any], stop: threading.Event):
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, status: int, body: bytes, content_type: str = "application/octet-stream") -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            if self.path.strip("/") != "health":
+                return self._send(404, b"unknown route", "text/plain")
+            self._send(200, json.dumps({"ok": True, "has_base": backend.has_base(), **info}).encode(), "application/json")
+
+        def do_POST(self):
+            route = self.path.strip("/")
+            if route == "shutdown":
+                self._send(200, pack(meta={"ok": True}))
+                return stop.set()
+            try:
+                tensors, meta = unpack(self.rfile.read(int(self.headers["Content-Length"])))
+                self._send(200, handle(backend, route, tensors, meta))
+            except Exception:  # the driver shows the engine's traceback
+                logger.exception("/%s failed", route)
+                self._send(500, traceback.format_exc().encode(), "text/plain")
+
+        def log_message(self, fmt, *args):
+            logger.debug(fmt, *args)
+
+    return Handler
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="diffusers SD3 checkpoint directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--no-load-base", dest="load_base", action="store_false", help="start with a dummy transformer")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="images per pipeline forward")
+    parser.add_argument("--backend", default="vllm", choices=("vllm", "local"))
+    parser.add_argument("--device", default="cpu", help="local backend only (vLLM-Omni places its worker itself)")
+    parser.add_argument("--engine-args", default="{}", help="JSON of extra AsyncOmni keyword arguments")
+    parser.add_argument("--exit-with-parent", action="store_true", help="stop when the process that started us dies")
+    return parser.parse_args(argv)
+
+
+def stop_when_parent_dies(stop: threading.Event, poll_s: float = 2.0) -> None:
+    """A driver killed without shutting us down must not leave the engine (and its GPU) behind."""
+    parent = os.getppid()
+
+    def watch():
+        while not stop.wait(poll_s):
+            if os.getppid() != parent:  # re-parented: the driver is gone
+                logger.warning("the driver (pid %d) exited; stopping", parent)
+                stop.set()
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    backend = (VllmOmniBackend if args.backend == "vllm" else LocalBackend)(args)
+    stop = threading.Event()
+    if args.exit_with_parent:
+        stop_when_parent_dies(stop)
+    info = {"model": args.model, "backend": args.backend}
+    server = HTTPServer((args.host, args.port), make_handler(backend, info, stop))
+    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    logger.info("rollout engine (%s) listening on http://%s:%d", args.backend, args.host, server.server_port)
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+        backend.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""N actor-rollout workers as a Ray worker group (verl's single controller), driven through
+`ActorRolloutGroup`, a facade with the worker's own method names: `Trainer` and the steps
+run the same code with one in-process worker or with the group.
+
+Each worker is an `ActorRolloutWorker` (its FSDP shard of the actor, its own rollout engine)
+inside `RayActorRolloutWorker`, a thin verl `Worker`. Rollouts split prompts and seeds over
+the workers and join the parts; updates give every worker an equal shard of the batch and
+its advantages (FSDP averages the gradients); weight sync, checkpoint collection and restore
+run on every worker, since collecting from FSDP is collective, and rank 0's whole tensors
+come back. A worker that fails stops the group at once (the others would wait in a
+collective forever): the driver kills the workers and raises `WorkerFailure` naming it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Sequence
+
+import ray
+import torch
+from omegaconf import DictConfig, OmegaConf
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, Execute, register
+from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+from omni.models.sd3 import PromptEmbeds
+from omni.rollout.base import RolloutBatch, SamplingOptions
+from omni.workers import WorkerFailure, ray_cluster
+from omni.workers.actor_rollout import ActorRolloutWorker
+from omni.workers.batching import concat_batches, equal_shards, mean_metrics, slice_batch, split_evenly
+
+# Tests only: "<rank>:<n>" makes that worker's process exit during its n-th update.
+CRASH_HOOK_ENV = "OMNI_TEST_CRASH_WORKER_AT_UPDATE"
+SHUTDOWN_TIMEOUT_S = 60
+
+
+class RayActorRolloutWorker(Worker):
+    """One `ActorRolloutWorker` in a Ray actor; rank and world size come from verl's group."""
+
+    def __init__(self, cfg: dict, model_path: str):
+        super().__init__()
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # Ray shows each actor its own GPU only
+        self.worker = ActorRolloutWorker(OmegaConf.create(cfg), model_path, self.rank, self.world_size, local_rank)
+        self.updates = 0
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def setup(self) -> None:
+        self.worker.setup()
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
+    def generate(self, prompts: List[str], seeds: List[int], options: SamplingOptions):
+        return self.worker.generate(prompts, seeds, options) if prompts else None
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
+    def update(self, batch: RolloutBatch, advantages: torch.Tensor, seed: int, first_sample: int):
+        self.updates += 1
+        if os.environ.get(CRASH_HOOK_ENV) == f"{self.rank}:{self.updates}":
+            os._exit(1)
+        return self.worker.update(batch, advantages, seed, first_sample)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def sync_weights(self) -> Dict[str, float]:
+        return self.worker.sync_weights()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def lora_state_dict(self):
+        lora = self.worker.lora_state_dict()
+        return lora if self.rank == 0 else None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def optimizer_state_dict(self):
+        state = self.worker.optimizer_state_dict()
+        return state if self.rank == 0 else None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def load_state(self, lora: Dict[str, torch.Tensor], optimizer_state: dict) -> None:
+        self.worker.load_state(lora, optimizer_state)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
+    def dpo_update(self, x0_chosen, x0_rejected, cond: PromptEmbeds, seed: int, first_pair: int, total_pairs: int):
+        return self.worker.dpo_update(x0_chosen, x0_rejected, cond, seed, first_pair, total_pairs)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def dpo_evaluate(self, x0_chosen, x0_rejected, cond: PromptEmbeds, seed: int):
+        return self.worker.dpo_evaluate(x0_chosen, x0_rejected, cond, seed)
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode=Execute.RANK_ZERO, blocking=False)
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        return self.worker.engine.encode_images(images)
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode=Execute.RANK_ZERO, blocking=False)
+    def encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> PromptEmbeds:
+        return self.worker.engine.encode_prompts(prompts, guidance_scale, max_sequence_length)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+class RankZeroEngine:
+    """The encoders of rank 0's engine, for steps that encode data once (offline DPO)."""
+
+    def __init__(self, group: "ActorRolloutGroup"):
+        self.group = group
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        return self.group.call_rank_zero("encode_images", images)
+
+    def encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> PromptEmbeds:
+        return self.group.call_rank_zero("encode_prompts", list(prompts), guidance_scale, max_sequence_length)
+
+
+class ActorRolloutGroup:
+    """`trainer.n_workers` workers on Ray, with the methods of one `ActorRolloutWorker`."""
+
+    def __init__(self, cfg: DictConfig, model_path: str):
+        self.cfg = cfg
+        self.workers: RayWorkerGroup | None = None
+        self.placement_groups: list = []
+        self.connected = ray_cluster.connect(cfg.trainer.ray_address)
+        try:
+            layout = ray_cluster.worker_layout(cfg.trainer)
+            ray_cluster.check_resources(cfg.trainer, layout)
+            self.placement_groups = ray_cluster.reserve(layout, cfg.trainer.placement_timeout_s)
+            self.workers = self._start_workers(layout, model_path)
+            self._gather("setup", self.workers.setup())
+        except BaseException:
+            self.shutdown()
+            raise
+        self.engine = RankZeroEngine(self)
+
+    def _start_workers(self, layout: ray_cluster.WorkerLayout, model_path: str) -> RayWorkerGroup:
+        pool = RayResourcePool(process_on_nodes=layout.workers_per_node, use_gpu=layout.use_gpu, max_colocate_count=1)
+        pool.pgs = self.placement_groups  # reserved with a timeout: verl's own wait has none
+        cfg = OmegaConf.to_container(self.cfg)
+        if not layout.use_gpu:
+            cfg["trainer"]["device"] = "cpu"  # "auto" must not pick a GPU that Ray did not reserve
+        worker_class = RayClassWithInitArgs(ray.remote(RayActorRolloutWorker), cfg, model_path)
+        crash_hook = {CRASH_HOOK_ENV: os.environ[CRASH_HOOK_ENV]} if CRASH_HOOK_ENV in os.environ else {}
+        device = "cuda" if layout.use_gpu else "cpu"
+        return RayWorkerGroup(pool, worker_class, name_prefix="omni_", device_name=device, worker_env=crash_hook)
+
+    @property
+    def world_size(self) -> int:
+        return self.workers.world_size
+
+    # ----------------------------------------------------------------- calls
+    def _gather(self, method: str, futures: list) -> list:
+        """The workers' results in rank order; on the first failure, stop the group and raise."""
+        rank_of = {ref: rank for rank, ref in enumerate(futures)}
+        pending = list(futures)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayError as error:
+                rank = rank_of[done[0]]
+                name = self.workers.worker_names[rank]
+                self._kill_workers()
+                raise WorkerFailure(
+                    f"actor-rollout worker rank {rank} of {len(futures)} ({name}) failed in {method}: {_reason(error)}"
+                ) from None
+        return ray.get(futures)
+
+    def call_rank_zero(self, method: str, *args):
+        return self._gather(method, [getattr(self.workers, method)(*args)])[0]
+
+    # ----------------------------------------------------------------- the worker's methods
+    def generate(self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions) -> RolloutBatch:
+        parts = split_evenly(len(prompts), self.world_size)
+        futures = self.workers.generate(
+            [list(prompts[p]) for p in parts], [list(seeds[p]) for p in parts], [options] * self.world_size
+        )
+        return concat_batches([b for b in self._gather("generate", futures) if b is not None])
+
+    def update(self, batch: RolloutBatch, advantages: torch.Tensor, seed: int) -> Dict[str, float]:
+        shards = equal_shards(len(batch), self.world_size)
+        futures = self.workers.update(
+            [slice_batch(batch, s) for s in shards], [advantages[s] for s in shards],
+            [seed] * self.world_size, [s.start for s in shards],
+        )  # fmt: skip
+        return mean_metrics(self._gather("update", futures))
+
+    def sync_weights(self) -> Dict[str, float]:
+        per_worker = self._gather("sync_weights", self.workers.sync_weights())
+        return {"sync/seconds": max(m["sync/seconds"] for m in per_worker), "sync/megabytes": per_worker[0]["sync/megabytes"]}
+
+    def lora_state_dict(self) -> Dict[str, torch.Tensor]:
+        return self._gather("lora_state_dict", self.workers.lora_state_dict())[0]
+
+    def optimizer_state_dict(self) -> dict:
+        return self._gather("optimizer_state_dict", self.workers.optimizer_state_dict())[0]
+
+    def load_state(self, lora: Dict[str, torch.Tensor], optimizer_state: dict) -> None:
+        # one copy in the object store for all workers
+        self._gather("load_state", self.workers.load_state(ray.put(lora), ray.put(optimizer_state)))
+
+    def dpo_update(self, x0_chosen, x0_rejected, cond: PromptEmbeds, seed: int) -> Dict[str, float]:
+        """Equal shards of the pairs; pairs past the last multiple of the worker count (online
+        DPO's count varies) sit this update out and are counted in `pairs_unused`."""
+        used = len(x0_chosen) - len(x0_chosen) % self.world_size
+        metrics: Dict[str, float] = {}
+        if used:
+            shards = equal_shards(used, self.world_size)
+            futures = self.workers.dpo_update(
+                [x0_chosen[s] for s in shards], [x0_rejected[s] for s in shards], [cond.apply(lambda t, s=s: t[s]) for s in shards],
+                [seed] * self.world_size, [s.start for s in shards], [used] * self.world_size,
+            )  # fmt: skip
+            metrics = mean_metrics(self._gather("dpo_update", futures))
+        if used < len(x0_chosen):
+            metrics["pairs_unused"] = float(len(x0_chosen) - used)
+        return metrics
+
+    def dpo_evaluate(self, x0_chosen, x0_rejected, cond: PromptEmbeds, seed: int) -> Dict[str, float]:
+        return self._gather("dpo_evaluate", self.workers.dpo_evaluate(x0_chosen, x0_rejected, cond, seed))[0]
+
+    # ----------------------------------------------------------------- shutdown
+    def _kill_workers(self) -> None:
+        for worker in self.workers.workers if self.workers else []:
+            ray.kill(worker, no_restart=True)
+        self.workers = None
+
+    def shutdown(self) -> None:
+        """Stop the workers (politely, then by force), free their placement, and stop Ray if
+        this group started it."""
+        if self.workers is not None:
+            try:
+                ray.get(self.workers.shutdown(), timeout=SHUTDOWN_TIMEOUT_S)
+            except (ray.exceptions.RayError, TimeoutError):
+                pass  # killed below either way
+            self._kill_workers()
+        ray_cluster.release(self.placement_groups)
+        self.placement_groups = []
+        ray_cluster.disconnect(self.connected)
+        self.connected = False
+
+
+def _reason(error: ray.exceptions.RayError, limit: int = 300) -> str:
+    """The cause's last line for a raised exception; Ray's first line and exit line for a
+    dead process."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    if isinstance(error, ray.exceptions.RayTaskError):
+        return lines[-1][:limit]
+    reason = " ".join(lines[:1] + [line for line in lines[1:] if "exit" in line.lower()][:1])
+    return reason if len(reason) <= limit else reason[:limit] + "..."

@@ -1,0 +1,44 @@
+"""Helpers shared by the rollout-engine tests: sampling options, random LoRA weights and
+the pipeline vLLM-Omni would build, all on the tiny SD3."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from omni.config.model import LoraConfig
+from omni.rollout.base import SamplingOptions
+
+LORA = LoraConfig(rank=4, alpha=8.0)
+
+
+def options(**overrides) -> SamplingOptions:
+    values = dict(num_steps=4, resolution=64, guidance_scale=1.0, noise_level=0.7, max_sequence_length=16, sde_steps=(0, 4))
+    return SamplingOptions(**{**values, **overrides})
+
+
+def random_lora(transformer, seed: int = 0, lora: LoraConfig = LORA):
+    """LoRA tensors (PEFT names, as collect_lora_params returns them) for `transformer`,
+    non-zero so they change its outputs."""
+    from peft import inject_adapter_in_model
+
+    from omni.weights import lora_tensors, peft_lora_config
+
+    probe = type(transformer).from_config(transformer.config)
+    inject_adapter_in_model(peft_lora_config(lora), probe, adapter_name=lora.adapter_name)
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(p.shape, generator=generator) * 0.2 for name, p in lora_tensors(probe, lora.adapter_name).items()}
+
+
+def od_config(model_path, load_base: bool = True, dtype=torch.float32):
+    """The fields of vLLM-Omni's OmniDiffusionConfig our pipeline reads."""
+    return SimpleNamespace(model=str(model_path), dtype=dtype, custom_pipeline_args={"load_base": load_base})
+
+
+@pytest.fixture
+def diffusers_engine(tiny_sd3_dir):
+    from omni.rollout.diffusers_engine import load_diffusers_engine
+
+    return load_diffusers_engine(tiny_sd3_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=True)

@@ -1,0 +1,196 @@
+"""rollout=vllm from the driver's side: the clear error when no engine is installed, and the
+whole path (start the engine process, HTTP, weight directories, shutdown) on the CPU with
+the engine's `local` backend, which runs our pipeline without vLLM-Omni."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from omni.config.rollout import VllmOptions
+from omni.config.validate import ConfigError, validate
+from omni.models.sd3 import build_tiny_transformer
+from omni.rollout.transport import get_json
+from omni.rollout.vllm_engine import VllmEngine, engine_unavailable, vllm_options
+from omni.weights import plain_base_names
+from tests.conftest import compose_config
+from tests.rollout.conftest import LORA, options, random_lora
+
+PROMPTS = ["a red cat", "a blue dog", "a red cat", "a green tree"]
+SEEDS = [1, 2, 3, 4]
+
+
+@pytest.fixture
+def no_engine_env(monkeypatch, tmp_path):
+    """A machine without the engine env: no $OMNI_VLLM_PYTHON, an empty home."""
+    monkeypatch.delenv("OMNI_VLLM_PYTHON", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+
+def test_missing_engine_fails_at_validation_saying_what_to_install(no_engine_env, tiny_cache, tmp_path):
+    cfg = compose_config(["rollout=vllm", f"model.cache_dir={tiny_cache}"], tmp_path)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    message = str(info.value)
+    for hint in ("rollout=vllm", "scripts/install_vllm_engine.sh", "rollout.options.python", "rollout.options.url"):
+        assert hint in message
+
+
+def test_attaching_by_url_or_a_local_backend_validates(no_engine_env, tiny_cache, tmp_path):
+    for override in ("rollout.options.url=http://engine:8765", "rollout.options.backend=local"):
+        cfg = validate(compose_config(["rollout=vllm", override, f"model.cache_dir={tiny_cache}"], tmp_path))
+        assert cfg.rollout.engine == "vllm"
+
+
+def test_bad_options_are_named(no_engine_env):
+    assert "rollout.options.python=/nowhere/python" in engine_unavailable(VllmOptions(python="/nowhere/python"))
+    assert "rollout.options.url=engine:8765" in engine_unavailable(VllmOptions(url="engine:8765"))
+    assert "rollout.options.backend=tpu" in engine_unavailable(VllmOptions(backend="tpu"))
+    with pytest.raises(ValueError, match="unknown \\['ur'\\]"):
+        vllm_options({"ur": "http://x"})
+
+
+def test_an_env_without_vllm_omni_is_refused(no_engine_env):
+    assert "has no vllm_omni installed" in engine_unavailable(VllmOptions(python=sys.executable))
+
+
+@pytest.fixture(scope="module")
+def started_engine(tiny_sd3_dir, tmp_path_factory):
+    """An engine process started without base weights, as rollout.load_base=false does."""
+    run_dir = tmp_path_factory.mktemp("run")
+    engine = VllmEngine.start(VllmOptions(backend="local", startup_timeout=300), tiny_sd3_dir, torch.device("cpu"), torch.float32, 2, False, run_dir)
+    yield engine
+    engine.shutdown()
+
+
+def test_engine_process_matches_diffusers_engine_across_syncs(started_engine, diffusers_engine):
+    engine = started_engine
+    assert not engine.has_base
+    with pytest.raises(RuntimeError, match="before any base weights"):
+        engine.update_weights(random_lora(diffusers_engine.transformer), True, LORA)
+    base = {k: v.detach() for k, v in plain_base_names(diffusers_engine.transformer).items()}
+    engine.update_weights(base, base_sync_done=False, lora=None)
+    assert engine.has_base and get_json(engine.url, "health", 10)["has_base"]
+    for opts in (options(), options(guidance_scale=3.0, sde_steps=(1, 3))):
+        got, expected = engine.generate(PROMPTS, SEEDS, opts), diffusers_engine.generate(PROMPTS, SEEDS, opts)
+        assert (got.log_probs - expected.log_probs).abs().max() <= 1e-5
+        assert (got.latents - expected.latents).abs().max() <= 1e-5
+        assert got.cond.embeds.shape == expected.cond.embeds.shape
+    before = engine.generate(PROMPTS, SEEDS, options())
+    for seed in (1, 2):  # the first LoRA sync adds the adapter, later ones overwrite it
+        lora = random_lora(diffusers_engine.transformer, seed=seed)
+        engine.update_weights(lora, base_sync_done=True, lora=LORA)
+        diffusers_engine.update_weights(lora, base_sync_done=True, lora=LORA)
+        got, expected = engine.generate(PROMPTS, SEEDS, options()), diffusers_engine.generate(PROMPTS, SEEDS, options())
+        assert (got.log_probs - expected.log_probs).abs().max() <= 1e-5
+    assert (got.images - before.images).abs().max() > 1e-3
+    assert len(list(engine.shared_dir.glob("lora-*"))) == 1  # loaded syncs are removed
+    latents = engine.encode_images(expected.images)
+    assert torch.allclose(latents, diffusers_engine.encode_images(expected.images), atol=1e-5)
+    cond = engine.encode_prompts(["a red cat"], 3.0, 16)
+    assert torch.allclose(cond.neg_embeds, diffusers_engine.encode_prompts(["a red cat"], 3.0, 16).neg_embeds, atol=1e-6)
+
+
+def test_attached_engine_keeps_running_after_the_run(started_engine):
+    attached = VllmEngine.start(VllmOptions(url=started_engine.url), "unused", torch.device("cpu"), torch.float32, 2, True, started_engine.shared_dir)
+    attached.shutdown()
+    assert get_json(started_engine.url, "health", 10)["ok"]
+
+
+def test_engine_error_reaches_the_driver(started_engine):
+    with pytest.raises(RuntimeError, match="has shape"):
+        started_engine.update_weights({k: torch.zeros(1) for k in plain_base_names(build_tiny_transformer())}, False, None)
+
+
+def test_shutdown_stops_the_engine_process(tiny_sd3_dir, tmp_path):
+    engine = VllmEngine.start(VllmOptions(backend="local", startup_timeout=300), tiny_sd3_dir, torch.device("cpu"), torch.float32, 2, True, tmp_path)
+    process = engine.process
+    assert engine.has_base and process.poll() is None
+    engine.shutdown()
+    assert process.poll() == 0
+    assert "listening on" in (tmp_path / "vllm_engine").rglob("engine.log").__next__().read_text()
+
+
+def test_engine_that_dies_at_start_shows_its_log(tmp_path):
+    with pytest.raises(RuntimeError, match="exited with code") as info:
+        VllmEngine.start(VllmOptions(backend="local", startup_timeout=120), tmp_path / "no-model", torch.device("cpu"), torch.float32, 2, True, tmp_path)
+    assert "no-model" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, syncs_at_setup",
+    [(["rollout.load_base=false"], ["base", "lora"]), (["rollout.load_base=true", "rollout.layered_summon=true"], ["lora"])],
+    ids=["base_from_sync", "layered_summon"],
+)
+def test_worker_syncs_into_the_engine_process_and_rescores_exactly(overrides, syncs_at_setup, tiny_cache, tmp_path, monkeypatch):
+    """The worker's contract with a vLLM engine: the base first only when the engine started
+    without it, LoRA after; the actor re-scores the engine's trajectories exactly."""
+    from omni.rollout import vllm_engine
+    from omni.trainer import model_path
+    from omni.workers.actor_rollout import ActorRolloutWorker
+
+    written = []
+    for name in ("write_base_weights", "write_lora_adapter"):
+        real = getattr(vllm_engine, name)
+        monkeypatch.setattr(vllm_engine, name, lambda *a, _real=real, _kind=name.split("_")[1]: written.append(_kind) or _real(*a))
+    cfg = validate(compose_config(["rollout=vllm", "rollout.options.backend=local", *overrides, f"model.cache_dir={tiny_cache}"], tmp_path))
+    worker = ActorRolloutWorker(cfg, model_path(cfg.model))
+    worker.setup()
+    try:
+        assert written == syncs_at_setup and worker.engine.has_base
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in worker.trainable:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+        worker.sync_weights()
+        assert written[-1] == "lora"
+        steps = cfg.rollout.num_steps
+        opts = options(num_steps=steps, resolution=cfg.rollout.resolution, guidance_scale=cfg.rollout.guidance_scale, sde_steps=(0, steps))
+        batch = worker.generate(PROMPTS, SEEDS, opts)
+        samples, rows = torch.arange(len(batch)).repeat_interleave(steps), torch.arange(steps).repeat(len(batch))
+        with torch.no_grad():
+            actor, _ = worker.score_rows(batch, samples, rows, with_reference=False)
+        assert (actor - batch.log_probs[samples, rows]).abs().max() <= 1e-5
+    finally:
+        worker.shutdown()
+    assert worker.engine.process is None
+
+
+def test_engine_stops_when_its_driver_dies(tiny_sd3_dir, tmp_path):
+    """A driver killed without shutdown (e.g. a lost Ray worker) must not leave the engine behind."""
+    from omni.distributed import free_port
+
+    port = free_port()
+    server = [sys.executable, "-m", "omni.rollout.vllm_server", "--backend", "local", "--model", str(tiny_sd3_dir)]
+    server += ["--port", str(port), "--dtype", "float32", "--exit-with-parent"]
+    driver = f"import subprocess, sys, time; p = subprocess.Popen({server!r}); print(p.pid, flush=True); time.sleep(600)"
+    parent = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
+    engine_pid = int(parent.stdout.readline())
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            get_json(f"http://127.0.0.1:{port}", "health", 5)
+            break
+        except OSError:
+            time.sleep(0.5)
+    parent.kill()
+    parent.wait()
+    assert wait_for_exit(engine_pid, timeout=60)
+
+
+def wait_for_exit(pid: int, timeout: float) -> bool:
+    """Whether `pid` (not our child) ends within `timeout`; a zombie awaiting its reaper counts."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.5)
+    psutil.Process(pid).kill()
+    return False

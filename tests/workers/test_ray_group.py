@@ -1,0 +1,173 @@
+"""The Ray worker group on the CPU: 2 workers compute what 1 does, requests the cluster cannot
+hold fail at once with the keys to change, a dead worker stops the run naming it and the
+step, and a run attaches to a Ray cluster started beforehand."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni.algorithms import flow_grpo
+from omni.config.validate import validate
+from omni.distributed import free_port
+from omni.trainer import model_path, step_seeds
+from tests.conftest import compose_config
+from tests.recipes.test_train import final_lora, train
+
+SMALL = ["trainer.batch_size=8", "algorithm.group_size=4", "trainer.micro_batch_size=4", "trainer.eval_images_per_prompt=1"]
+
+
+def build(n_workers, tiny_cache, tmp_path):
+    from omni.workers import build_actor_rollout
+
+    cfg = validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.n_workers={n_workers}", *SMALL], tmp_path))
+    return cfg, build_actor_rollout(cfg, model_path(cfg.model))
+
+
+def sampling(cfg, step):
+    from omni.trainer import Trainer
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg = cfg
+    return trainer.sampling_options(step)
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys() and a
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_two_workers_match_one_worker(tiny_cache, tmp_path):
+    """Same prompts and seeds: the 2-worker rollout is the 1-worker one image by image; the
+    update of the same batch (2 minibatches, FSDP2 over 2 gloo ranks) gives the same LoRA and
+    gradient norm; after the weight sync both workers' engines sample with the new LoRA."""
+    cfg, one = build(1, tiny_cache, tmp_path)
+    prompts = ["a red cat"] * 4 + ["a blue dog"] * 4
+    seeds = step_seeds(0, 0, len(prompts))
+    batch = one.generate(prompts, seeds, sampling(cfg, 0))
+    advantages = flow_grpo.group_advantages(torch.linspace(0, 1, len(prompts)) ** 2, 4, False)
+    initial_lora = one.lora_state_dict()
+    one_metrics = one.update(batch, advantages, seed=7)
+    one_lora = one.lora_state_dict()
+    one.sync_weights()
+    one_after = one.generate(prompts, seeds, sampling(cfg, 1))
+    one.shutdown()
+
+    _, two = build(2, tiny_cache, tmp_path)
+    try:
+        assert max_difference(two.lora_state_dict(), initial_lora) == 0
+        two_batch = two.generate(prompts, seeds, sampling(cfg, 0))
+        two_metrics = two.update(batch, advantages, seed=7)
+        two_lora = two.lora_state_dict()
+        two.sync_weights()
+        two_after = two.generate(prompts, seeds, sampling(cfg, 1))
+    finally:
+        two.shutdown()
+
+    assert two_batch.prompts == batch.prompts
+    assert (two_batch.images - batch.images).abs().max() < 1e-4
+    assert (two_batch.latents - batch.latents).abs().max() < 1e-5
+    assert (two_batch.log_probs - batch.log_probs).abs().max() < 1e-5
+    assert max_difference(one_lora, initial_lora) > 1e-3, "the update did not move the LoRA"
+    assert max_difference(two_lora, one_lora) < 1e-5
+    # Adam's first steps hardly depend on the gradient's scale: the norm checks the normalisation
+    assert two_metrics["grad_norm"] == pytest.approx(one_metrics["grad_norm"], rel=1e-4)
+    assert (two_after.log_probs - one_after.log_probs).abs().max() < 1e-5
+
+
+def impossible_requests():
+    """case -> (overrides, what the message must name)."""
+    too_many = 4 * os.cpu_count()
+    return {
+        "more CPU workers than CPUs": (
+            [f"trainer.n_workers={too_many}", f"trainer.batch_size={4 * too_many}"],
+            [f"trainer.n_workers={too_many}", "CPU"],
+        ),
+        "GPU workers on a cluster without GPUs": (
+            ["trainer.n_workers=2", "trainer.n_gpus_per_node=2"],
+            ["trainer.n_gpus_per_node=2", "0 GPU"],
+        ),
+        "a GPU for the in-process worker": (["trainer.n_gpus_per_node=1"], ["trainer.n_gpus_per_node=1", "CUDA"]),
+    }
+
+
+@pytest.mark.parametrize("case", impossible_requests())
+def test_impossible_request_fails_fast(case, tmp_path, tiny_cache):
+    """No hang: Ray would wait forever for a placement it cannot make."""
+    overrides, messages = impossible_requests()[case]
+    if "GPU" in case and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = train(tmp_path / "run", tiny_cache, *overrides, check=False, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert all(m in output for m in messages), output[-3000:]
+    assert "Loading pipeline components" not in output
+
+
+def test_dead_worker_stops_the_run_and_resume_continues(tmp_path, tiny_cache):
+    run_dir = tmp_path / "run"
+    common = ["trainer.n_workers=2", "trainer.steps=3", "trainer.save_every=1", *SMALL]
+    crash = {**os.environ, "OMNI_TEST_CRASH_WORKER_AT_UPDATE": "1:2"}  # rank 1, its 2nd update
+    result = train(run_dir, tiny_cache, *common, check=False, timeout=300, env=crash)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "worker rank 1 of 2" in output and "during training step 2" in output, output[-3000:]
+    assert "step_000001, is intact" in output
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step_000001"
+    assert not (checkpoints / "step_000002").exists()
+    saved = final_lora(run_dir, 1)
+
+    train(run_dir, tiny_cache, *common, "trainer.resume=auto", timeout=300)
+    assert max_difference(final_lora(run_dir, 1), saved) == 0
+    assert (checkpoints / "latest").read_text().strip() == "step_000003"
+
+
+@pytest.fixture
+def ray_head():
+    """A one-node Ray cluster started the way a user starts one (`ray start --head`), stopped
+    by signalling its `--block` process, which takes its own processes down. It checks a
+    token of its own (Ray's default for `ray start`), which the run is given as a user would."""
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    port = free_port()
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a length limit
+    command = [
+        "ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--node-ip-address=127.0.0.1",
+        f"--temp-dir={temp_dir}", "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
+    ]  # fmt: skip
+    log = Path(temp_dir) / "ray_start.log"
+    with open(log, "w") as out:
+        head = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **auth})
+    deadline = time.monotonic() + 90
+    while "will now block" not in log.read_text() and head.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert head.poll() is None and "will now block" in log.read_text(), log.read_text()[-3000:]
+    try:
+        yield head, f"127.0.0.1:{port}", auth
+    finally:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+
+
+def test_run_attaches_to_a_running_cluster(ray_head, tmp_path, tiny_cache):
+    """trainer.ray_address: the run uses the cluster, with FSDP1 this time, and leaves it up."""
+    head, address, auth = ray_head
+    result = train(
+        tmp_path / "run", tiny_cache, "trainer.n_workers=2", f"trainer.ray_address={address}", "trainer.steps=1",
+        "model.fsdp.version=1", *SMALL, timeout=300, env={**os.environ, **auth},
+    )  # fmt: skip
+    assert "Connecting to existing Ray cluster" in result.stdout + result.stderr
+    assert final_lora(tmp_path / "run", 1)
+    assert head.poll() is None, "the run stopped a cluster it did not start"
