@@ -9,15 +9,14 @@ replaced only after that, so an interrupted save never damages what was already 
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
+
+from omni.atomic import write_directory, write_text
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 STATE_FILE = "trainer_state.pt"
@@ -50,26 +49,13 @@ def save_lora(directory: Path, lora: Dict[str, torch.Tensor], lora_config) -> No
 
 
 def save_checkpoint(root: Path, step: int, lora: Dict[str, torch.Tensor], lora_config, state: Dict[str, Any]) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-    try:
+    def write(tmp: Path) -> None:
         save_lora(tmp, lora, lora_config)
         torch.save({"step": step, **state}, tmp / STATE_FILE)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    _write_atomically(root / "latest", final.name)
+
+    final = write_directory(Path(root) / f"step_{step:06d}", write)
+    write_text(Path(root) / "latest", final.name)
     return final
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def latest_checkpoint(root: Path) -> Optional[Path]:

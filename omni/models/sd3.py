@@ -11,13 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from omni.atomic import write_directory
 
 LAYER_PREFIXES = ("transformer_blocks.",)
 
@@ -174,17 +174,8 @@ def build_tiny_sd3_pipeline(seed: int = 0):
 
 def write_tiny_sd3(out_dir: str | os.PathLike, seed: int = 0) -> Path:
     """Build the tiny pipeline and save it to `out_dir` atomically (never half-written)."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    try:
-        build_tiny_sd3_pipeline(seed).save_pretrained(tmp, safe_serialization=True)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    pipe = build_tiny_sd3_pipeline(seed)
+    return write_directory(Path(out_dir), lambda tmp: pipe.save_pretrained(tmp, safe_serialization=True))
 
 
 def tiny_sd3_path(cache_dir: str | os.PathLike, seed: int = 0) -> Path:

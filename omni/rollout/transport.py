@@ -13,9 +13,6 @@ Two channels, both built on safetensors so tensors cross bit-exact:
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -24,6 +21,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from safetensors.torch import load, load_file, save, save_file
 
+from omni.atomic import write_directory
 from omni.config.model import LoraConfig
 
 BASE_FILE = "model.safetensors"
@@ -72,24 +70,6 @@ def get_json(url: str, route: str, timeout: float) -> Dict[str, Any]:
 
 
 # ----------------------------------------------------------------- weights
-def _atomic_dir(root: Path, name: str, write) -> Path:
-    """Fill a temporary directory with `write(tmp)`, then rename it to root/name."""
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / name
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
-    try:
-        write(tmp)
-        for path in tmp.iterdir():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
 def _owned(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Contiguous CPU tensors; safetensors refuses two names on one storage, so copy repeats."""
     out, storages = {}, set()
@@ -108,7 +88,7 @@ def write_base_weights(root: Path, name: str, tensors: Dict[str, torch.Tensor]) 
         save_file(_owned(tensors), str(tmp / BASE_FILE))
         (tmp / SYNC_FILE).write_text(json.dumps({"kind": "base"}))
 
-    return _atomic_dir(Path(root), name, write)
+    return write_directory(Path(root) / name, write)
 
 
 def write_lora_adapter(root: Path, name: str, tensors: Dict[str, torch.Tensor], lora: LoraConfig) -> Path:
@@ -120,7 +100,7 @@ def write_lora_adapter(root: Path, name: str, tensors: Dict[str, torch.Tensor], 
         peft_lora_config(lora).save_pretrained(str(tmp))
         (tmp / SYNC_FILE).write_text(json.dumps({"kind": "lora", "adapter_name": lora.adapter_name}))
 
-    return _atomic_dir(Path(root), name, write)
+    return write_directory(Path(root) / name, write)
 
 
 def read_weights(path: Path, device: str = "cpu") -> Tuple[str, Dict[str, torch.Tensor], Optional[LoraConfig]]:

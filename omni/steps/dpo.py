@@ -19,6 +19,7 @@ from tqdm import tqdm
 from omni.data.preferences import PreferencePair, images_to_tensor, load_preference_pairs
 from omni.data.prompts import items_for_step
 from omni.models.sd3 import PromptEmbeds
+from omni.steps.grouped_rollout import grouped_rollout
 
 ENCODE_CHUNK = 32
 
@@ -101,28 +102,19 @@ class OnlineDPOStep:
         self.trainer, self.cfg = trainer, trainer.cfg
 
     def __call__(self, step: int) -> Dict[str, float]:
-        from omni.trainer import step_seeds
-
         cfg, algo, worker = self.cfg, self.cfg.algorithm, self.trainer.worker
-        timings, tick = {}, time.perf_counter()
-        prompts = items_for_step(self.trainer.train_prompts, step, cfg.trainer.batch_size // algo.group_size, cfg.seed)
-        prompts = [p for p in prompts for _ in range(algo.group_size)]
-        batch = worker.generate(prompts, step_seeds(cfg.seed, step, len(prompts)), self.trainer.sampling_options(step))
-        timings["time/rollout"], tick = time.perf_counter() - tick, time.perf_counter()
-        scores = self.trainer.reward_fn(batch.images, prompts)
-        chosen, rejected, ties = best_and_worst(scores["reward"], algo.group_size)
-        timings["time/reward"], tick = time.perf_counter() - tick, time.perf_counter()
-        metrics = {}
+        rollout = grouped_rollout(self.trainer, step, algo.group_size)
+        chosen, rejected, ties = best_and_worst(rollout.scores["reward"], algo.group_size)
+        timings, metrics = dict(rollout.timings), {}
         if len(chosen):
-            x0 = batch.latents[:, -1]
-            cond = batch.cond.apply(lambda t: t[chosen])
+            tick = time.perf_counter()
+            x0 = rollout.batch.latents[:, -1]
+            cond = rollout.batch.cond.apply(lambda t: t[chosen])
             metrics = worker.dpo_update(x0[chosen], x0[rejected], cond, seed=cfg.seed * 15_485_863 + step)
             timings["time/update"] = time.perf_counter() - tick
             timings["time/sync"] = worker.sync_weights()["sync/seconds"]
-        self.trainer.maybe_log_images(batch.images, step)
         return {
-            **self.trainer.means(scores, "reward/"),
-            "reward/std": float(scores["reward"].std()),
+            **rollout.reward_metrics(self.trainer),
             "train/pairs": float(len(chosen)),
             "train/tied_groups": float(ties),
             **{f"train/{k}": v for k, v in metrics.items()},

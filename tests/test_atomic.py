@@ -1,0 +1,33 @@
+"""Atomic writes leave either the old content or the new, never a half-written one."""
+
+import pytest
+
+from omni.atomic import write_directory, write_text
+
+
+def test_failed_write_leaves_the_previous_directory(tmp_path):
+    final = tmp_path / "step_000002"
+    write_directory(final, lambda tmp: (tmp / "weights.bin").write_bytes(b"old"))
+
+    def fail_midway(tmp):
+        (tmp / "weights.bin").write_bytes(b"half a")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_directory(final, fail_midway)
+    assert (final / "weights.bin").read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["step_000002"]  # no temporary left behind
+
+
+def test_nested_directories_and_replacement(tmp_path):
+    final = tmp_path / "model"
+    write_directory(final, lambda tmp: (tmp / "a").mkdir() or (tmp / "a" / "x").write_text("1"))
+    write_directory(final, lambda tmp: (tmp / "b").write_text("2"))
+    assert sorted(p.name for p in final.iterdir()) == ["b"]
+
+
+def test_write_text_replaces(tmp_path):
+    write_text(tmp_path / "latest", "step_000001")
+    write_text(tmp_path / "latest", "step_000002")
+    assert (tmp_path / "latest").read_text() == "step_000002"
+    assert [p.name for p in tmp_path.iterdir()] == ["latest"]
