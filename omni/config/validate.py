@@ -14,12 +14,12 @@ from omegaconf import DictConfig, OmegaConf
 from omni.data.prompts import load_prompts
 from omni.models import sd3
 from omni.rewards import check_reward_names
+from omni.rollout import ENGINES
 
 LOGGER_BACKENDS = ("console", "wandb", "tensorboard")
-ENGINES = ("diffusers", "vllm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Block containers of each model family: what `model.fsdp.layer_prefixes` may name.
-BLOCK_CONTAINERS = {"sd3": ("transformer_blocks",)}
+BLOCK_CONTAINERS = {"sd3": tuple(prefix.rstrip(".") for prefix in sd3.LAYER_PREFIXES)}
 
 
 class ConfigError(ValueError):
