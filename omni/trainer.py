@@ -9,7 +9,6 @@ step, the LoRA and the optimizer state to continue exactly.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Dict, List, Optional
 

@@ -15,7 +15,8 @@ from peft import LoraConfig as PeftLoraConfig
 
 from omni.config.model import LoraConfig
 
-_LORA_KEY = re.compile(r"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)\.")
+_LORA_PART = r"(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)"
+_LORA_KEY = re.compile(rf"\.{_LORA_PART}\.")
 
 
 def peft_lora_config(lora: LoraConfig) -> PeftLoraConfig:
@@ -38,13 +39,19 @@ def plain_base_names(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 def lora_tensors(module: torch.nn.Module, adapter_name: str) -> Dict[str, torch.Tensor]:
     """The adapter's parameters under PEFT's names without the adapter name."""
-    pattern = re.compile(r"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)\." + re.escape(adapter_name) + r"(\.|$)")
+    pattern = re.compile(rf"\.{_LORA_PART}\.{re.escape(adapter_name)}(\.|$)")
     found = {}
     for name, param in module.named_parameters():
         plain = pattern.sub(lambda m: f".{m.group(1)}{m.group(2)}", name)
         if plain != name:
             found[plain] = param
     return found
+
+
+def module_lora_names(tensors: Dict[str, torch.Tensor], adapter_name: str) -> Dict[str, torch.Tensor]:
+    """PEFT names without the adapter (`...lora_A.weight`) -> the module's own names
+    (`...lora_A.<adapter>.weight`): the inverse of `lora_tensors`' naming."""
+    return {_LORA_KEY.sub(lambda m: f".{m.group(1)}.{adapter_name}.", k, count=1): v for k, v in tensors.items()}
 
 
 @torch.no_grad()

@@ -172,7 +172,7 @@ def _bench_wrapping(args, wrapping) -> dict:
         "lora_full": _measure(lambda: collect_lora_params(model, False, True)),
         "lora_layered": _measure(lambda: collect_lora_params(model, True, True)),
     }
-    del model
+    model = None  # release the wrapped model before the next wrapping is measured
     _trim()
     return runs
 

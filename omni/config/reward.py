@@ -1,6 +1,6 @@
 """Schema of the `reward` group: named reward functions and their weights."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict
 
 from omegaconf import MISSING

@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -231,6 +231,12 @@ class PromptEmbeds:
     pooled: torch.Tensor
     neg_embeds: Optional[torch.Tensor] = None
     neg_pooled: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def cat(parts: "Sequence[PromptEmbeds]") -> "PromptEmbeds":
+        """The embeddings of several batches, one after the other."""
+        per_field = ([getattr(p, f.name) for p in parts] for f in fields(PromptEmbeds))
+        return PromptEmbeds(*(None if tensors[0] is None else torch.cat(tensors) for tensors in per_field))
 
     def apply(self, fn) -> "PromptEmbeds":
         """A copy with `fn` applied to every tensor present (indexing, moving, ...)."""

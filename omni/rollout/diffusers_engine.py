@@ -13,7 +13,7 @@ import torch
 from omni.config.model import LoraConfig
 from omni.models.sd3 import PromptEmbeds, encode_prompts, load_sd3_pipeline
 from omni.rollout.base import RolloutBatch, SamplingOptions
-from omni.rollout.sampling import encode_images, flow_sigmas, sample_rollout
+from omni.rollout.sampling import encode_images, sample_rollout
 from omni.weights import add_lora_adapter, load_base_weights, load_lora_weights
 
 
@@ -28,9 +28,6 @@ class DiffusersEngine:
         self.micro_batch_size = micro_batch_size
         self.has_base = has_base
         self.adapter_name: Optional[str] = None
-
-    def sigmas(self, num_steps: int) -> torch.Tensor:
-        return flow_sigmas(self.pipe.scheduler, num_steps)
 
     def generate(self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions) -> RolloutBatch:
         return sample_rollout(self.pipe, prompts, seeds, options, self.micro_batch_size, self.device, self.dtype)

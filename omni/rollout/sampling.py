@@ -29,9 +29,9 @@ def flow_sigmas(scheduler, num_steps: int) -> torch.Tensor:
 
 def encode_each_prompt(pipe, prompts: Sequence[str], options: SamplingOptions, device) -> PromptEmbeds:
     """Text embeddings per prompt; repeated prompts (a GRPO group) are encoded once."""
-    unique = list(dict.fromkeys(prompts))
-    unique_cond = encode_prompts(pipe, unique, options.guidance_scale, options.max_sequence_length, device)
-    index = torch.tensor([unique.index(p) for p in prompts], device=device)
+    position = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
+    unique_cond = encode_prompts(pipe, list(position), options.guidance_scale, options.max_sequence_length, device)
+    index = torch.tensor([position[p] for p in prompts], device=device)
     return unique_cond.apply(lambda t: t[index])
 
 

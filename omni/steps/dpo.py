@@ -43,7 +43,7 @@ class EncodedPairs:
             rejected.append(engine.encode_images(images_to_tensor([p.rejected for p in chunk], options.resolution)))
             conds.append(engine.encode_prompts([p.prompt for p in chunk], 1.0, options.max_sequence_length))
         self.chosen, self.rejected = torch.cat(chosen), torch.cat(rejected)
-        self.cond = PromptEmbeds(torch.cat([c.embeds for c in conds]), torch.cat([c.pooled for c in conds]))
+        self.cond = PromptEmbeds.cat(conds)
 
     def __len__(self) -> int:
         return len(self.chosen)

@@ -8,7 +8,6 @@ new LoRA to the engine through `omni.fsdp_utils.collect_lora_params`.
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -21,7 +20,7 @@ from omni.fsdp_utils import collect_lora_params
 from omni.models.sd3 import PromptEmbeds, predict_velocity
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.sde import sde_step
-from omni.weights import add_lora_adapter
+from omni.weights import add_lora_adapter, module_lora_names
 from omni.workers.sharding import clip_grad_norm, wrap_fsdp
 
 
@@ -152,8 +151,7 @@ class ActorRolloutWorker:
                 f"checkpoint LoRA does not match adapter '{adapter}': missing {sorted(expected - set(lora))[:5]}, "
                 f"unexpected {sorted(set(lora) - expected)[:5]}"
             )
-        named = {re.sub(r"\.(lora_[AB])\.", rf".\1.{adapter}.", k): v for k, v in lora.items()}
-        set_model_state_dict(self.actor, named, options=StateDictOptions(full_state_dict=True, strict=False))
+        set_model_state_dict(self.actor, module_lora_names(lora, adapter), options=StateDictOptions(full_state_dict=True, strict=False))
         set_optimizer_state_dict(self.actor, self.optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))
         self.sync_weights()
 

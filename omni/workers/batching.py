@@ -9,7 +9,6 @@ the batch.
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Dict, List, Sequence
 
 import torch
@@ -46,15 +45,13 @@ def slice_batch(batch: RolloutBatch, rows: slice) -> RolloutBatch:
 def concat_batches(parts: Sequence[RolloutBatch]) -> RolloutBatch:
     """One batch from the workers' parts, in worker order."""
     first = parts[0]
-    per_field = ([getattr(p.cond, f.name) for p in parts] for f in fields(PromptEmbeds))
-    cond = PromptEmbeds(*(None if tensors[0] is None else torch.cat(tensors) for tensors in per_field))
     return RolloutBatch(
         prompts=[prompt for p in parts for prompt in p.prompts],
         images=torch.cat([p.images for p in parts]),
         latents=torch.cat([p.latents for p in parts]),
         log_probs=torch.cat([p.log_probs for p in parts]),
         sigmas=first.sigmas,
-        cond=cond,
+        cond=PromptEmbeds.cat([p.cond for p in parts]),
         options=first.options,
     )
 
