@@ -13,7 +13,8 @@ from typing import Callable
 
 def write_directory(final: Path, write: Callable[[Path], None]) -> Path:
     """Fill a temporary sibling of `final` with `write(tmp)`, flush it, then rename it to
-    `final` (replacing an older one)."""
+    `final`. An older `final` is renamed aside first and removed only once the new one is in
+    place, so at every moment one of them is on disk under a name that says which."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
@@ -23,9 +24,13 @@ def write_directory(final: Path, write: Callable[[Path], None]) -> Path:
             if path.is_file():
                 with open(path, "rb") as f:
                     os.fsync(f.fileno())
+        aside = None
         if final.exists():
-            shutil.rmtree(final)
+            aside = Path(tempfile.mkdtemp(prefix=f".{final.name}.old.", dir=final.parent))
+            os.replace(final, aside)
         os.replace(tmp, final)
+        if aside is not None:
+            shutil.rmtree(aside)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final

@@ -1,7 +1,7 @@
 """Checkpoints: the LoRA in diffusers' format plus the trainer state, written atomically.
 
 Layout of `<output_dir>/checkpoints/step_000010/`:
-    pytorch_lora_weights.safetensors   loadable by StableDiffusion3Pipeline.load_lora_weights
+    pytorch_lora_weights.safetensors   loadable by the family's pipeline (`load_lora_weights`)
     trainer_state.pt                   step, optimizer state, RNG states
 A checkpoint is written to a temporary directory and renamed into place, and `latest` is
 replaced only after that, so an interrupted save never damages what was already saved.
@@ -32,25 +32,18 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
 
 
-def save_lora(directory: Path, lora: Dict[str, torch.Tensor], lora_config) -> None:
-    """The LoRA as diffusers saves it (`transformer.` keys and the adapter's PEFT config)."""
-    from diffusers import StableDiffusion3Pipeline
-
+def save_lora(directory: Path, lora: Dict[str, torch.Tensor], lora_config, family) -> None:
+    """The LoRA as the family's diffusers pipeline saves it, with the adapter's PEFT config."""
     from omni.weights import peft_lora_config
 
     metadata = peft_lora_config(lora_config).to_dict()
     metadata["target_modules"] = sorted(metadata["target_modules"])
-    StableDiffusion3Pipeline.save_lora_weights(
-        directory,
-        transformer_lora_layers={k: v.contiguous() for k, v in lora.items()},
-        transformer_lora_adapter_metadata=metadata,
-        safe_serialization=True,
-    )
+    family.save_lora(directory, lora, metadata)
 
 
-def save_checkpoint(root: Path, step: int, lora: Dict[str, torch.Tensor], lora_config, state: Dict[str, Any]) -> Path:
+def save_checkpoint(root: Path, step: int, lora: Dict[str, torch.Tensor], lora_config, state: Dict[str, Any], family) -> Path:
     def write(tmp: Path) -> None:
-        save_lora(tmp, lora, lora_config)
+        save_lora(tmp, lora, lora_config, family)
         torch.save({"step": step, **state}, tmp / STATE_FILE)
 
     final = write_directory(Path(root) / f"step_{step:06d}", write)
@@ -66,16 +59,10 @@ def latest_checkpoint(root: Path) -> Optional[Path]:
     return path if (path / STATE_FILE).is_file() else None
 
 
-def load_checkpoint(directory: Path):
+def load_checkpoint(directory: Path, family):
     """(PEFT-named LoRA tensors, trainer state) of a checkpoint directory."""
-    from diffusers import StableDiffusion3Pipeline
-
     directory = Path(directory)
     if not (directory / STATE_FILE).is_file() or not (directory / LORA_FILE).is_file():
         raise FileNotFoundError(f"{directory}: not a checkpoint ({LORA_FILE} and {STATE_FILE} expected)")
-    lora = StableDiffusion3Pipeline.lora_state_dict(str(directory))
-    lora = lora[0] if isinstance(lora, tuple) else lora
-    prefix = "transformer."
-    lora = {k[len(prefix) :]: v for k, v in lora.items() if k.startswith(prefix)}
     state = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=False)
-    return lora, state
+    return family.load_lora(directory), state

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Dict
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 
 def image_grid(images: torch.Tensor, columns: int = 8) -> torch.Tensor:
@@ -20,8 +20,8 @@ def image_grid(images: torch.Tensor, columns: int = 8) -> torch.Tensor:
 
 
 class MetricsLogger:
-    def __init__(self, cfg: DictConfig, output_dir: Path):
-        self.backends = list(cfg.logger.backends)
+    def __init__(self, cfg, output_dir: Path):
+        self.backends = [backend.value for backend in cfg.logger.backends]
         self.console_every = cfg.logger.console_every
         self.wandb = self.tensorboard = None
         if "wandb" in self.backends:
@@ -29,9 +29,9 @@ class MetricsLogger:
 
             self.wandb = wandb.init(
                 project=cfg.logger.wandb_project,
-                mode=cfg.logger.wandb_mode,
+                mode=cfg.logger.wandb_mode.value,
                 dir=str(output_dir),
-                config=OmegaConf.to_container(cfg, resolve=True),
+                config=OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True),
             )
         if "tensorboard" in self.backends:
             from torch.utils.tensorboard import SummaryWriter

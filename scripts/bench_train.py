@@ -3,7 +3,7 @@
     python scripts/bench_train.py [--repeats 5]
 
 - rollout: images/s of our engine (SDE steps with log-probs, trajectory kept) against the
-  plain `StableDiffusion3Pipeline.__call__` on the same model, batch, steps and size;
+  plain diffusers pipeline (`__call__`) on the same model, batch, steps and size;
 - update: Flow-GRPO training transitions (sample x step) per second;
 - epoch: seconds per Flow-GRPO step of 2 prompts x 4 images, 10 steps, 64 px
   (rollout + reward + update + weight sync);
@@ -24,7 +24,9 @@ from hydra import compose, initialize_config_dir
 
 from omni.config import register_configs
 from omni.config.validate import validate
-from omni.trainer import Trainer, step_seeds
+from omni.algorithms import flow_grpo
+from omni.context import step_seeds
+from omni.trainer import Trainer
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -49,7 +51,7 @@ def make_trainer(out_dir: str, *overrides: str) -> Trainer:
 
 
 def bench_rollout(trainer: Trainer, n_images: int, repeats: int) -> dict:
-    options = trainer.sampling_options(0)
+    options = trainer.ctx.sampling_options(trainer.ctx.sde_window(0))
     prompts = ["a red cat", "a blue dog"] * (n_images // 2)
     seeds = step_seeds(0, 0, n_images)
     engine = trainer.worker.engine
@@ -77,16 +79,16 @@ def bench_rollout(trainer: Trainer, n_images: int, repeats: int) -> dict:
 
 
 def bench_update(trainer: Trainer, repeats: int) -> dict:
-    batch = trainer.worker.generate(["a red cat"] * 8, list(range(8)), trainer.sampling_options(0))
-    advantages = torch.linspace(-1, 1, 8)
-    seconds = best_time(lambda: trainer.worker.update(batch, advantages, seed=0), repeats)
-    transitions = len(batch) * batch.options.num_steps * trainer.cfg.algorithm.num_inner_epochs
+    options = trainer.ctx.sampling_options(trainer.ctx.sde_window(0))
+    batch = flow_grpo.GRPOBatch(trainer.worker.generate(["a red cat"] * 8, list(range(8)), options), torch.linspace(-1, 1, 8))
+    seconds = best_time(lambda: trainer.worker.train(flow_grpo.update, batch, seed=0), repeats)
+    transitions = len(batch) * options.num_steps * trainer.cfg.algorithm.num_inner_epochs
     return {"transitions_per_s": transitions / seconds, "samples_per_s": len(batch) / seconds}
 
 
 def bench_epoch(trainer: Trainer, repeats: int) -> dict:
     counter = iter(range(10_000))
-    seconds = best_time(lambda: trainer.step_fn(next(counter)), repeats)
+    seconds = best_time(lambda: trainer.algorithm.step(next(counter)), repeats)
     return {"prompts": 2, "images_per_prompt": 4, "steps": 10, "resolution": 64, "seconds_per_epoch": seconds}
 
 
@@ -96,7 +98,7 @@ def bench_dpo(out_dir: str, repeats: int) -> dict:
     pairs = write_synthetic_pairs(Path(out_dir) / "pairs", n_pairs=40, resolution=64, seed=0)
     trainer = make_trainer(out_dir, "algorithm=dpo", "data=pairs", f"data.pairs={pairs}", "trainer.batch_size=16")
     counter = iter(range(10_000))
-    seconds = best_time(lambda: trainer.step_fn(next(counter)), repeats)
+    seconds = best_time(lambda: trainer.algorithm.step(next(counter)), repeats)
     trainer.cleanup()
     return {"pairs_per_step": 16, "seconds_per_step": seconds, "seconds_per_pair": seconds / 16}
 

@@ -42,11 +42,11 @@ def bench(n_workers: int, steps: int) -> dict:
         trainer.setup()
         setup_seconds = time.perf_counter() - start
         try:
-            trainer.step_fn(0)  # warm-up
+            trainer.algorithm.step(0)  # warm-up
             times, parts = [], []
             for step in range(1, steps + 1):
                 start = time.perf_counter()
-                metrics = trainer.step_fn(step)
+                metrics = trainer.algorithm.step(step)
                 times.append(time.perf_counter() - start)
                 parts.append({k: v for k, v in metrics.items() if k.startswith("time/")})
         finally:

@@ -23,7 +23,7 @@ import torch
 
 from omni.config.model import LoraConfig
 from omni.config.rollout import VllmOptions
-from omni.models.sd3 import build_tiny_sd3_pipeline, tiny_transformer_config
+from omni.models.sd3 import FAMILY, build_tiny_sd3_pipeline, build_tiny_transformer
 from omni.rollout.base import SamplingOptions
 from omni.rollout.diffusers_engine import load_diffusers_engine
 from omni.rollout.vllm_engine import VllmEngine
@@ -38,12 +38,10 @@ LORA = LoraConfig(rank=32, alpha=64, target_modules=["to_q", "to_k", "to_v", "to
 
 def build_checkpoint(path: Path, size: str) -> Path:
     """The tiny pipeline, with an SD3.5-Medium-sized random transformer for size=sd35m."""
-    from diffusers import SD3Transformer2DModel
-
     pipe = build_tiny_sd3_pipeline(seed=0)
     if size == "sd35m":
         torch.manual_seed(0)
-        pipe.transformer = SD3Transformer2DModel(**tiny_transformer_config(**SD35_MEDIUM)).to(torch.bfloat16)
+        pipe.transformer = build_tiny_transformer(0, **SD35_MEDIUM).to(torch.bfloat16)
     pipe.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -86,9 +84,9 @@ def main() -> None:
     prompts = [f"a photo of a {c} cat" for c in ("red", "green", "blue", "white")] * (args.images // 4)
     seeds = list(range(len(prompts)))
 
-    local = load_diffusers_engine(model, device, dtype, args.micro_batch, load_base=True)
+    local = load_diffusers_engine(FAMILY, model, device, dtype, args.micro_batch, load_base=True)
     base, lora = trained_weights(local)
-    vllm = VllmEngine.start(VllmOptions(python=args.python), model, device, dtype, args.micro_batch, False, workdir / "run")
+    vllm = VllmEngine.start(FAMILY, VllmOptions(python=args.python), model, device, dtype, args.micro_batch, False, workdir / "run")
     try:
         start = time.perf_counter()
         vllm.update_weights(base, base_sync_done=False, lora=None)

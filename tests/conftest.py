@@ -46,3 +46,12 @@ def synthetic_pairs(tmp_path_factory) -> Path:
     from omni.data.preferences import write_synthetic_pairs
 
     return write_synthetic_pairs(tmp_path_factory.mktemp("pairs"), n_pairs=48, resolution=64, seed=0)
+
+
+def training_options(cfg, step: int):
+    """The sampling options of a Flow-GRPO training step (its SDE window included)."""
+    from omni.context import StepContext
+
+    ctx = StepContext(cfg, None, [], [], None)
+    algo = cfg.algorithm
+    return ctx.sampling_options(ctx.sde_window(step, getattr(algo, "sde_window_size", 0), getattr(algo, "sde_window_range", None)))

@@ -31,3 +31,24 @@ def test_write_text_replaces(tmp_path):
     write_text(tmp_path / "latest", "step_000002")
     assert (tmp_path / "latest").read_text() == "step_000002"
     assert [p.name for p in tmp_path.iterdir()] == ["latest"]
+
+
+def test_replacing_never_leaves_the_old_content_nowhere(tmp_path, monkeypatch):
+    """A crash between taking the old directory away and putting the new one in place keeps
+    the old content on disk (renamed aside), never deleted before its successor exists."""
+    import omni.atomic as atomic
+
+    final = tmp_path / "step_000002"
+    write_directory(final, lambda tmp: (tmp / "weights.bin").write_bytes(b"old"))
+    real_replace = atomic.os.replace
+
+    def crash_when_the_new_one_goes_in(src, dst):
+        if str(dst) == str(final):
+            raise OSError("killed")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", crash_when_the_new_one_goes_in)
+    with pytest.raises(OSError, match="killed"):
+        write_directory(final, lambda tmp: (tmp / "weights.bin").write_bytes(b"new"))
+    kept = [p.read_bytes() for p in tmp_path.rglob("weights.bin")]
+    assert b"old" in kept

@@ -3,13 +3,15 @@
 import torch
 
 from omni.config.model import LoraConfig
-from omni.models.sd3 import build_tiny_transformer
+from omni.models.sd3 import FAMILY, build_tiny_transformer
 from omni.weights import add_lora_adapter, load_lora_weights, lora_tensors, module_lora_names
+
+TARGETS = list(FAMILY.lora_targets)
 
 
 def test_adapter_names_round_trip():
     model = build_tiny_transformer()
-    add_lora_adapter(model, LoraConfig(adapter_name="policy"))
+    add_lora_adapter(model, LoraConfig(adapter_name="policy", target_modules=TARGETS))
     peft_named = lora_tensors(model, "policy")
     assert peft_named and all(".policy." not in k for k in peft_named)
     module_named = module_lora_names(peft_named, "policy")
@@ -19,7 +21,7 @@ def test_adapter_names_round_trip():
 
 def test_load_is_strict_and_exact():
     model = build_tiny_transformer()
-    add_lora_adapter(model, LoraConfig())
+    add_lora_adapter(model, LoraConfig(target_modules=TARGETS))
     values = {k: torch.randn_like(v) for k, v in lora_tensors(model, "default").items()}
     load_lora_weights(model, values, "default")
     assert all(torch.equal(lora_tensors(model, "default")[k], v) for k, v in values.items())

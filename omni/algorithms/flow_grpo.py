@@ -1,14 +1,28 @@
-"""Flow-GRPO's objective as pure tensor functions: advantages, clipped ratio loss, KL.
+"""Flow-GRPO (Liu et al. 2025) and its Fast window: advantages, clipped ratio loss, KL, the
+update on a worker, and the training step.
 
 GRPO needs no value network: each prompt is sampled `group_size` times and an image's
 advantage is its reward standardised within its group (or by the batch's std). The policy
 gradient is PPO's clipped importance-ratio loss, applied per denoising step, with an
 optional KL between the policy's and the reference's Gaussian step distributions.
+Flow-GRPO-Fast samples with the SDE (and trains) only on a window of the steps.
+
+    python recipes/train.py algorithm=flow_grpo            # or algorithm=flow_grpo_fast
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+from typing import Dict, List
+
 import torch
+
+from omni.algorithms.base import Algorithm, grouped_rollout
+from omni.config.errors import require
+from omni.context import update_seed
+from omni.rollout.base import RolloutBatch
+from omni.rollout.sde import sde_step
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, global_std: bool = False, eps: float = 1e-4):
@@ -41,3 +55,148 @@ def gaussian_step_kl(mean: torch.Tensor, ref_mean: torch.Tensor, scale: torch.Te
     (the two steps share the SDE's scale s)."""
     kl = (mean - ref_mean) ** 2 / (2 * scale**2)
     return kl.mean(dim=tuple(range(1, kl.ndim)))
+
+
+# ----------------------------------------------------------------- the update, on a worker
+@dataclass
+class GRPOBatch:
+    """A rollout batch and its advantages: what a worker's update needs."""
+
+    rollout: RolloutBatch
+    advantages: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.rollout)
+
+    def select(self, rows: slice) -> "GRPOBatch":
+        return GRPOBatch(self.rollout.select(rows), self.advantages[rows].clone())
+
+
+def minibatch_rows(n_samples: int, sde_steps, num_minibatches: int, seed: int, first_sample: int = 0):
+    """(samples, steps) of each minibatch of one pass over a batch of `n_samples` trajectories.
+
+    Every sample's SDE steps are shuffled by a generator of its own, seeded by `seed` and the
+    sample's index in the whole batch (`first_sample` + i), and minibatch m takes the m-th
+    share of each sample's steps. A worker holding a shard of the samples therefore holds the
+    same share of every minibatch as the others, and the union over workers is exactly the
+    minibatch one worker builds from the whole batch: sharding does not change the update.
+    """
+    start, stop = sde_steps
+    samples: List[List[torch.Tensor]] = [[] for _ in range(num_minibatches)]
+    steps: List[List[torch.Tensor]] = [[] for _ in range(num_minibatches)]
+    for i in range(n_samples):
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + first_sample + i) % 2**63)
+        order = torch.randperm(stop - start, generator=generator) + start
+        for m, share in enumerate(order.tensor_split(num_minibatches)):
+            samples[m].append(torch.full_like(share, i))
+            steps[m].append(share)
+    minibatches = [(torch.cat(s), torch.cat(j)) for s, j in zip(samples, steps)]
+    return [(s, j) for s, j in minibatches if len(s)]
+
+
+def score_transitions(worker, rollout: RolloutBatch, samples: torch.Tensor, steps: torch.Tensor, with_reference: bool):
+    """The actor's log-probs of the stored transitions (sample i, step j), and the KL of its
+    step to the reference's (zeros without the reference) -> (log_prob, kl), fp32."""
+    opts = rollout.options
+    latents = worker.to_device(rollout.latents[samples, steps])
+    next_latents = worker.to_device(rollout.latents[samples, steps + 1])
+    sigma, sigma_next = rollout.sigmas[steps], rollout.sigmas[steps + 1]
+    cond = rollout.cond.apply(lambda t: worker.to_device(t[samples]))
+    sigma_max = float(rollout.sigmas[1])
+
+    def step_of(reference: bool):
+        velocity = worker.velocity(latents, sigma, cond, opts.guidance_scale, reference=reference)
+        return sde_step(velocity, latents, sigma, sigma_next, sigma_max, opts.noise_level, next_sample=next_latents)
+
+    _, log_prob, mean, scale = step_of(reference=False)
+    if not with_reference:
+        return log_prob.float(), torch.zeros_like(log_prob, dtype=torch.float32)
+    _, _, ref_mean, _ = step_of(reference=True)
+    return log_prob.float(), gaussian_step_kl(mean.float(), ref_mean.float(), scale.float())
+
+
+def minibatch_step(worker, batch: GRPOBatch, samples: torch.Tensor, steps: torch.Tensor) -> Dict[str, float]:
+    """One optimizer step on the transitions (samples, steps), in micro-batches."""
+    algo = worker.cfg.algorithm
+    sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio": 0.0}
+    worker.zero_grad()
+    for rows in torch.arange(len(samples)).split(worker.cfg.trainer.micro_batch_size):
+        s, j = samples[rows], steps[rows]
+        log_prob, kl = score_transitions(worker, batch.rollout, s, j, with_reference=algo.kl_coef > 0)
+        old_log_prob = batch.rollout.log_probs[s, j].to(log_prob.device)
+        adv = batch.advantages[s].to(log_prob.device)
+        policy_loss, ratio, clip_fraction = clipped_policy_loss(log_prob, old_log_prob, adv, algo.clip_range)
+        loss = policy_loss + algo.kl_coef * kl.mean()
+        weight = len(rows) / len(samples)  # the mean over this worker's rows; FSDP averages the workers
+        worker.backward(loss * weight)
+        for key, value in (("loss", loss), ("kl", kl.mean()), ("clip_fraction", clip_fraction), ("ratio", ratio.mean())):
+            sums[key] += float(value.detach()) * weight
+    return {**sums, "grad_norm": worker.optimizer_step()}
+
+
+def update(worker, batch: GRPOBatch, seed: int, first: int = 0, total: int = 0) -> Dict[str, float]:
+    """Flow-GRPO update on every (sample, SDE step) transition of the batch: each inner epoch
+    is `num_minibatches` optimizer steps (see `minibatch_rows`). A worker of a group holds
+    rows [first, first + len(batch)) of the whole batch."""
+    algo = worker.cfg.algorithm
+    totals: Dict[str, List[float]] = {}
+    for epoch in range(algo.num_inner_epochs):
+        plan = minibatch_rows(len(batch), batch.rollout.options.sde_steps, algo.num_minibatches, seed * 1_009 + epoch, first)
+        for samples, steps in plan:
+            for key, value in minibatch_step(worker, batch, samples, steps).items():
+                totals.setdefault(key, []).append(value)
+    return {key: sum(values) / len(values) for key, values in totals.items()}
+
+
+# ----------------------------------------------------------------- the step, on the driver
+class FlowGRPO(Algorithm):
+    """prompts -> SDE rollout -> reward -> group advantages -> clipped-ratio update of the
+    LoRA -> weight sync into the rollout engine."""
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        algo, rollout, trainer = cfg.algorithm, cfg.rollout, cfg.trainer
+        check_groups(algo.group_size, trainer.batch_size)
+        require(algo.clip_range > 0, f"algorithm.clip_range={algo.clip_range} must be positive")
+        require(algo.num_inner_epochs >= 1, f"algorithm.num_inner_epochs={algo.num_inner_epochs} must be >= 1")
+        sde_steps = algo.sde_window_size or rollout.num_steps
+        require(
+            1 <= algo.num_minibatches <= sde_steps,
+            f"algorithm.num_minibatches={algo.num_minibatches}: each sample's {sde_steps} SDE steps are shared out "
+            f"over the minibatches, so expected 1 to {sde_steps}",
+        )
+        if algo.sde_window_size > 0:
+            require(
+                algo.sde_window_size <= rollout.num_steps,
+                f"algorithm.sde_window_size={algo.sde_window_size} exceeds rollout.num_steps={rollout.num_steps}",
+            )
+            if algo.sde_window_range is not None:
+                lo, hi = algo.sde_window_range
+                require(
+                    0 <= lo <= hi and hi + algo.sde_window_size <= rollout.num_steps,
+                    f"algorithm.sde_window_range={list(algo.sde_window_range)} does not fit a window of "
+                    f"{algo.sde_window_size} in rollout.num_steps={rollout.num_steps}",
+                )
+
+    def step(self, step: int) -> Dict[str, float]:
+        algo, worker = self.cfg.algorithm, self.ctx.worker
+        window = self.ctx.sde_window(step, algo.sde_window_size, algo.sde_window_range)
+        rollout = grouped_rollout(self.ctx, step, algo.group_size, window)
+        advantages = group_advantages(rollout.scores["reward"], algo.group_size, algo.global_std)
+        advantages = clip_advantages(advantages, algo.adv_clip_max)
+        tick = time.perf_counter()
+        metrics = worker.train(update, GRPOBatch(rollout.batch, advantages), update_seed(self.cfg.seed, step))
+        timings = {**rollout.timings, "time/update": time.perf_counter() - tick}
+        timings["time/sync"] = worker.sync_weights()["sync/seconds"]
+        return {**rollout.reward_metrics(), **{f"train/{k}": v for k, v in metrics.items()}, **timings}
+
+
+def check_groups(group_size: int, batch_size: int) -> None:
+    require(group_size >= 2, f"algorithm.group_size={group_size}: a group needs at least 2 images per prompt")
+    require(
+        batch_size % group_size == 0,
+        f"algorithm.group_size={group_size} does not divide trainer.batch_size={batch_size}",
+    )
+
+
+ALGORITHM = FlowGRPO

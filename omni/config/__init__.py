@@ -17,6 +17,7 @@ from omni.config.model import FSDPConfig, LoraConfig, ModelConfig
 from omni.config.reward import RewardConfig
 from omni.config.rollout import RolloutConfig, VllmRolloutConfig
 from omni.config.trainer import TrainerConfig
+from omni.rewards import REWARDS
 
 ALGORITHM_SCHEMAS = {"flow_grpo": FlowGRPOConfig, "dpo": DPOConfig, "online_dpo": OnlineDPOConfig}
 
@@ -41,6 +42,8 @@ def register_configs() -> None:
     for name, schema in ALGORITHM_SCHEMAS.items():
         cs.store(group="schema/algorithm", name=name, node=schema)
     cs.store(group="schema/rollout", name="vllm", node=VllmRolloutConfig)
+    for name in REWARDS.names():  # each reward's options, typed at composition
+        cs.store(group="schema/reward", name=name, node=REWARDS.get(name).Options)
 
 
 __all__ = [

@@ -1,13 +1,20 @@
 """Schemas of the `algorithm` group: one dataclass per algorithm family."""
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import List, Optional
 
 from omegaconf import MISSING
 
 
+class SigmaSampling(str, Enum):
+    logit_normal = "logit_normal"  # SD3's training distribution: sigmoid of a normal
+    uniform = "uniform"
+
+
 @dataclass
 class AlgorithmConfig:
+    # A name registered in omni/algorithms/ (omni.algorithms.ALGORITHMS).
     name: str = MISSING
 
 
@@ -34,8 +41,8 @@ class FlowGRPOConfig(AlgorithmConfig):
 class DPOConfig(AlgorithmConfig):
     # Strength of the pull towards the reference (Diffusion-DPO's beta).
     beta: float = 2500.0
-    # How training noise levels are drawn: logit_normal (SD3's) or uniform.
-    sigma_sampling: str = "logit_normal"
+    # How training noise levels are drawn.
+    sigma_sampling: SigmaSampling = SigmaSampling.logit_normal
     logit_mean: float = 0.0
     logit_std: float = 1.0
 

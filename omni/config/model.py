@@ -1,16 +1,25 @@
 """Schema of the `model` group: which transformer, its LoRA and its FSDP sharding."""
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import List, Optional
 
 from omegaconf import MISSING
+
+
+class DType(str, Enum):
+    auto = "auto"  # bfloat16 on GPU, float32 on CPU
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
 
 
 @dataclass
 class LoraConfig:
     rank: int = 8
     alpha: float = 16.0
-    target_modules: List[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    # None: the model family's default targets (omni/models/<family>.py, `lora_targets`).
+    target_modules: Optional[List[str]] = None
     adapter_name: str = "default"
 
 
@@ -21,20 +30,19 @@ class FSDPConfig:
     version: int = 2
     # Block containers sharded and summoned one at a time; every model declares its own.
     layer_prefixes: List[str] = MISSING
-    offload: bool = False
 
 
 @dataclass
 class ModelConfig:
+    # A module of omni/models/ (sd3, ...).
     family: str = MISSING
-    # A local diffusers checkpoint directory; unused when `tiny` is set.
+    # A local diffusers checkpoint directory; must stay unset when `tiny_seed` is set.
     path: Optional[str] = None
     # Build a tiny random model offline from this seed instead of reading `path`.
     tiny_seed: Optional[int] = None
     # Where tiny models are built and cached ($OMNI_CACHE_DIR when set).
     cache_dir: str = "${oc.env:OMNI_CACHE_DIR,'~/.cache/omni-recipes'}"
-    # auto: bfloat16 on GPU, float32 on CPU
-    dtype: str = "auto"
+    dtype: DType = DType.auto
     # Sampling defaults native to the model; the rollout group may override them.
     resolution: int = 512
     guidance_scale: float = 4.5

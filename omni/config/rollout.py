@@ -1,14 +1,27 @@
 """Schema of the `rollout` group: the engine that samples images and their log-probs."""
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Dict, Optional
 
 from omegaconf import MISSING
 
 
+class Engine(str, Enum):
+    """A module omni/rollout/<engine>_engine.py."""
+
+    diffusers = "diffusers"
+    vllm = "vllm"
+
+
+class VllmBackend(str, Enum):
+    vllm = "vllm"  # vLLM-Omni serves our pipeline
+    local = "local"  # the same pipeline in the engine process without vLLM-Omni (tests, debugging)
+
+
 @dataclass
 class RolloutConfig:
-    engine: str = MISSING
+    engine: Engine = MISSING
     num_steps: int = 10
     # None: the model's native value (model.resolution, model.guidance_scale).
     resolution: Optional[int] = None
@@ -21,8 +34,6 @@ class RolloutConfig:
     load_base: bool = True
     # Gather one FSDP unit at a time when syncing; needs the base already in the engine.
     layered_summon: bool = False
-    # Engine-specific options passed through untouched (e.g. vLLM-Omni's).
-    options: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -36,9 +47,7 @@ class VllmOptions:
     python: Optional[str] = None
     # Where weight syncs are written; the engine must be able to read it (default: run dir).
     shared_dir: Optional[str] = None
-    # vllm: vLLM-Omni serves our pipeline; local: the same pipeline in the engine process
-    # without vLLM-Omni (tests, debugging).
-    backend: str = "vllm"
+    backend: VllmBackend = VllmBackend.vllm
     startup_timeout: float = 1800.0
     request_timeout: float = 3600.0
     # Extra keyword arguments of vLLM-Omni's AsyncOmni (e.g. {enforce_eager: false}).
@@ -47,4 +56,5 @@ class VllmOptions:
 
 @dataclass
 class VllmRolloutConfig(RolloutConfig):
+    engine: Engine = Engine.vllm
     options: VllmOptions = field(default_factory=VllmOptions)

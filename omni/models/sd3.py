@@ -1,4 +1,7 @@
-"""Stable Diffusion 3: loading real checkpoints and building a tiny random one offline.
+"""Stable Diffusion 3 / 3.5 as a model family: a tiny random checkpoint built offline, SD3's
+text conditioning (two CLIPs and T5, pooled and sequence embeddings), 4-D latents, the
+MMDiT's velocity with classifier-free guidance, and LoRA export for
+`StableDiffusion3Pipeline.load_lora_weights`.
 
 The tiny pipeline has every part a real SD3 checkpoint has (MMDiT transformer, two CLIP
 text encoders with projection, a T5 encoder, a VAE, the flow-matching scheduler and real
@@ -9,20 +12,18 @@ tokenizer classes), built in memory from a seed, saved to a directory and then l
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
 from omni.atomic import write_directory
-
-LAYER_PREFIXES = ("transformer_blocks.",)
+from omni.models.base import Conditioning, ModelFamily
 
 # Bump when the tiny architecture changes, so stale caches are not reused.
-TINY_BUILDER_VERSION = 3
+TINY_BUILDER_VERSION = 4
 
 _TINY_WORDS = (
     "a an the of in on with and photo painting picture of "
@@ -46,6 +47,7 @@ TINY_TRANSFORMER = dict(
 )
 TINY_TEXT_LENGTH = 16
 TINY_DECODER_GAIN = 4.0
+TINY_VAE_FACTOR = 8
 
 
 def tiny_transformer_config(**overrides) -> dict:
@@ -60,25 +62,30 @@ def build_tiny_transformer(seed: int = 0, **overrides):
     return SD3Transformer2DModel(**tiny_transformer_config(**overrides))
 
 
+def _clip_vocabulary():
+    """CLIP's BPE vocabulary and merges for the tiny words, written out rather than trained
+    (a trained BPE breaks ties between equally frequent pairs differently from one process
+    to the next, which would make the "same seed" model differ). Every character also has a
+    `</w>` form, so no text falls back to the unknown token (which CLIP shares with eos,
+    where it pools); each word is merged left to right into one token."""
+    vocab = ["<|startoftext|>", "<|endoftext|>"] + _ALPHABET + [c + "</w>" for c in _ALPHABET]
+    merges = []
+    for word in sorted(set(_TINY_WORDS)):
+        symbols = list(word[:-1]) + [word[-1] + "</w>"]
+        while len(symbols) > 1:
+            pair = (symbols[0], symbols[1])
+            if pair not in merges:
+                merges.append(pair)
+                vocab.append(pair[0] + pair[1])
+            symbols = [pair[0] + pair[1]] + symbols[2:]
+    return {token: i for i, token in enumerate(dict.fromkeys(vocab))}, merges
+
+
 def _clip_tokenizer(max_length: int):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import CLIPTokenizer
 
-    bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
-    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(
-        vocab_size=256,
-        special_tokens=["<|startoftext|>", "<|endoftext|>"],
-        initial_alphabet=_ALPHABET,
-        end_of_word_suffix="</w>",
-        show_progress=False,
-    )
-    # every character also stands alone as a word, so each has a `</w>` form and no text
-    # falls back to the unknown token (which CLIP shares with eos, where it pools)
-    bpe.train_from_iterator([" ".join(_TINY_WORDS)] * 4 + [" ".join(_ALPHABET)], trainer)
-    model = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split()) for m in model["merges"]]
-    return CLIPTokenizer(vocab=model["vocab"], merges=merges, model_max_length=max_length)
+    vocab, merges = _clip_vocabulary()
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
 
 
 def _t5_tokenizer(max_length: int):
@@ -129,7 +136,7 @@ def _t5_encoder(tokenizer, seed: int):
 def _vae(seed: int):
     from diffusers import AutoencoderKL
 
-    channels = (8, 8, 16, 16)  # four levels: a 64 px image is an 8x8 latent
+    channels = (8, 8, 16, 16)  # four levels (TINY_VAE_FACTOR): a 64 px image is an 8x8 latent
     torch.manual_seed(seed)
     vae = AutoencoderKL(
         in_channels=3,
@@ -187,44 +194,8 @@ def tiny_sd3_path(cache_dir: str | os.PathLike, seed: int = 0) -> Path:
     return path
 
 
-def check_pretrained_dir(path: str | None, key: str = "model.path") -> Path:
-    """Fail early, naming the config key, when a checkpoint directory is unusable."""
-    if not path:
-        raise ValueError(f"{key} is not set: pass {key}=/path/to/a/diffusers/checkpoint")
-    p = Path(path).expanduser()
-    if not (p / "model_index.json").is_file():
-        raise FileNotFoundError(
-            f"{key}={path}: no diffusers checkpoint there (model_index.json missing); "
-            f"pass {key}=/path/to/a/local/diffusers/checkpoint directory"
-        )
-    return p
-
-
-def load_sd3_pipeline(path: str | os.PathLike, dtype: torch.dtype = torch.float32, **components):
-    """Load a diffusers SD3 checkpoint directory (real or tiny) offline; `components`
-    replace parts of it (e.g. a transformer to be filled by a weight sync)."""
-    from diffusers import StableDiffusion3Pipeline
-
-    return StableDiffusion3Pipeline.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True, **components)
-
-
-def encode_prompts(pipe, prompts, guidance_scale: float, max_sequence_length: int, device):
-    """Text embeddings of `prompts` (and of the empty negative prompt under CFG)."""
-    with torch.no_grad():
-        embeds, neg_embeds, pooled, neg_pooled = pipe.encode_prompt(
-            prompt=list(prompts),
-            prompt_2=None,
-            prompt_3=None,
-            device=device,
-            do_classifier_free_guidance=guidance_scale > 1,
-            negative_prompt="",
-            max_sequence_length=max_sequence_length,
-        )
-    return PromptEmbeds(embeds, pooled, neg_embeds, neg_pooled)
-
-
 @dataclass
-class PromptEmbeds:
+class PromptEmbeds(Conditioning):
     """SD3's two text conditions per prompt (sequence and pooled), with CFG negatives."""
 
     embeds: torch.Tensor
@@ -232,43 +203,76 @@ class PromptEmbeds:
     neg_embeds: Optional[torch.Tensor] = None
     neg_pooled: Optional[torch.Tensor] = None
 
-    @staticmethod
-    def cat(parts: "Sequence[PromptEmbeds]") -> "PromptEmbeds":
-        """The embeddings of several batches, one after the other."""
-        per_field = ([getattr(p, f.name) for p in parts] for f in fields(PromptEmbeds))
-        return PromptEmbeds(*(None if tensors[0] is None else torch.cat(tensors) for tensors in per_field))
 
-    def apply(self, fn) -> "PromptEmbeds":
-        """A copy with `fn` applied to every tensor present (indexing, moving, ...)."""
-        return PromptEmbeds(*(None if t is None else fn(t) for t in (getattr(self, f.name) for f in fields(self))))
+class SD3Family(ModelFamily):
+    name = "sd3"
+    pipeline_class = "StableDiffusion3Pipeline"
+    transformer_class = "SD3Transformer2DModel"
+    conditioning = PromptEmbeds
+    layer_prefixes = ("transformer_blocks.",)
+    lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
+    def tiny_path(self, cache_dir, seed: int) -> Path:
+        return tiny_sd3_path(cache_dir, seed)
 
-def predict_velocity(transformer, latents, sigmas, cond: PromptEmbeds, guidance_scale: float):
-    """The transformer's velocity at noise levels `sigmas` (one per sample), with
-    classifier-free guidance when guidance_scale > 1 (negatives and positives in one pass)."""
-    timesteps = sigmas.to(latents.dtype) * 1000
-    if guidance_scale > 1:
-        out = transformer(
-            hidden_states=torch.cat([latents, latents]),
-            timestep=torch.cat([timesteps, timesteps]),
-            encoder_hidden_states=torch.cat([cond.neg_embeds, cond.embeds]),
-            pooled_projections=torch.cat([cond.neg_pooled, cond.pooled]),
+    def tiny_resolution_multiple(self) -> int:
+        return TINY_VAE_FACTOR * TINY_TRANSFORMER["patch_size"]
+
+    def encode_prompts(self, pipe, prompts: List[str], guidance_scale: float, max_sequence_length: int, device) -> PromptEmbeds:
+        """Text embeddings of `prompts` (and of the empty negative prompt under CFG)."""
+        with torch.no_grad():
+            embeds, neg_embeds, pooled, neg_pooled = pipe.encode_prompt(
+                prompt=list(prompts),
+                prompt_2=None,
+                prompt_3=None,
+                device=device,
+                do_classifier_free_guidance=guidance_scale > 1,
+                negative_prompt="",
+                max_sequence_length=max_sequence_length,
+            )
+        return PromptEmbeds(embeds, pooled, neg_embeds, neg_pooled)
+
+    def initial_latents(self, pipe, generators: Sequence[torch.Generator], resolution: int) -> torch.Tensor:
+        channels, size = pipe.transformer.config.in_channels, resolution // pipe.vae_scale_factor
+        return torch.stack([torch.randn(channels, size, size, generator=g) for g in generators])
+
+    def predict_velocity(self, transformer, latents, sigmas, cond: PromptEmbeds, guidance_scale: float):
+        """The transformer's velocity at noise levels `sigmas` (one per sample), with
+        classifier-free guidance when guidance_scale > 1 (negatives and positives in one pass)."""
+        timesteps = sigmas.to(latents.dtype) * 1000
+        if guidance_scale > 1:
+            out = transformer(
+                hidden_states=torch.cat([latents, latents]),
+                timestep=torch.cat([timesteps, timesteps]),
+                encoder_hidden_states=torch.cat([cond.neg_embeds, cond.embeds]),
+                pooled_projections=torch.cat([cond.neg_pooled, cond.pooled]),
+                return_dict=False,
+            )[0]
+            uncond, text = out.chunk(2)
+            return uncond + guidance_scale * (text - uncond)
+        return transformer(
+            hidden_states=latents,
+            timestep=timesteps,
+            encoder_hidden_states=cond.embeds,
+            pooled_projections=cond.pooled,
             return_dict=False,
         )[0]
-        uncond, text = out.chunk(2)
-        return uncond + guidance_scale * (text - uncond)
-    return transformer(
-        hidden_states=latents,
-        timestep=timesteps,
-        encoder_hidden_states=cond.embeds,
-        pooled_projections=cond.pooled,
-        return_dict=False,
-    )[0]
+
+    def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:
+        vae = pipe.vae
+        with torch.no_grad():
+            latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+            images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    @torch.no_grad()
+    def encode_images(self, pipe, images: torch.Tensor, device) -> torch.Tensor:
+        """Images in [0, 1] -> the transformer's latents (the VAE posterior's mode), on the CPU."""
+        vae = pipe.vae
+        pixels = (images * 2 - 1).to(device, vae.dtype)
+        latents = vae.encode(pixels).latent_dist.mode()
+        return ((latents - vae.config.shift_factor) * vae.config.scaling_factor).cpu()
 
 
-def decode_latents(vae, latents, dtype: torch.dtype):
-    """Latents -> images in [0, 1] (`dtype`: the VAE's, passed in because reading it is slow)."""
-    with torch.no_grad():
-        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
-        images = vae.decode(latents.to(dtype), return_dict=False)[0]
-    return (images.float() / 2 + 0.5).clamp(0, 1)
+FAMILY = SD3Family()

@@ -1,49 +1,60 @@
-"""Reward functions: each maps a batch of images (B, 3, H, W in [0, 1]) and their prompts to
-one float per image. `build_reward` combines the configured ones into a weighted sum."""
+"""Rewards: one component per module (`omni/rewards/<name>.py` defines `REWARD`, see
+`omni.rewards.base`), combined by `WeightedReward` into a weighted sum whose components are
+each reported (`reward/<name>`)."""
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Dict, List, Mapping
 
 import torch
+from omegaconf import OmegaConf
 
-from omni.rewards.brightness import brightness
-from omni.rewards.color import color
-from omni.rewards.jpeg import jpeg_compressibility
+from omni.registry import Registry
+from omni.rewards.base import Reward, RewardOptions
 
-RewardFn = Callable[[torch.Tensor, List[str]], torch.Tensor]
-
-REWARDS: Dict[str, RewardFn] = {
-    "brightness": brightness,
-    "color": color,
-    "jpeg_compressibility": jpeg_compressibility,
-}
+REWARDS = Registry(__name__, "REWARD", "reward", "reward.components")
 
 
-def check_reward_names(weights: Dict[str, float], key: str = "reward.weights") -> None:
-    if not weights:
-        raise ValueError(f"{key} is empty: name at least one reward, one of {sorted(REWARDS)}")
-    unknown = sorted(set(weights) - set(REWARDS))
-    if unknown:
-        raise ValueError(f"{key}: unknown reward {unknown}; available: {sorted(REWARDS)}")
+def reward_options(name: str, raw, key: str = "reward.components") -> RewardOptions:
+    """The typed options of component `name` from its config entry (a dict or options);
+    an unknown reward, option or wrong type raises ValueError naming `key.name`."""
+    cls = REWARDS.get(name)
+    if isinstance(raw, cls.Options):
+        return raw
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(cls.Options), raw or {})
+    except Exception as error:  # omegaconf's ValidationError / ConfigKeyError
+        raise ValueError(f"{key}.{name}: {str(error).splitlines()[0]}; options of '{name}': {list(OmegaConf.structured(cls.Options))}") from None
+    return OmegaConf.to_object(merged)
 
 
 class WeightedReward:
-    """The weighted sum of named rewards, scored in chunks of `batch_size` images."""
+    """The weighted sum of the configured components, each scored in chunks of its batch size."""
 
-    def __init__(self, weights: Dict[str, float], batch_size: int = 64):
-        check_reward_names(weights)
-        self.weights = dict(weights)
+    def __init__(self, components: Mapping[str, object], batch_size: int = 64):
+        if not components:
+            raise ValueError(f"reward.components is empty: name at least one reward, one of {REWARDS.names()}")
+        self.rewards: Dict[str, Reward] = {}
+        for name, raw in components.items():
+            options = reward_options(name, raw)
+            self.rewards[name] = REWARDS.get(name)(name, options)
         self.batch_size = batch_size
+
+    def setup(self) -> None:
+        for reward in self.rewards.values():
+            reward.setup()
+
+    def teardown(self) -> None:
+        for reward in self.rewards.values():
+            reward.teardown()
+
+    def _score(self, reward: Reward, images: torch.Tensor, prompts: List[str]) -> torch.Tensor:
+        size = reward.options.batch_size or self.batch_size
+        parts = [reward.score(images[s : s + size].float().cpu(), prompts[s : s + size]).float() for s in range(0, len(prompts), size)]
+        return torch.cat(parts)
 
     def __call__(self, images: torch.Tensor, prompts: List[str]) -> Dict[str, torch.Tensor]:
         """Returns {"reward": total, <name>: component} with one value per image."""
-        parts = {name: [] for name in self.weights}
-        for start in range(0, len(prompts), self.batch_size):
-            chunk = images[start : start + self.batch_size].float().cpu()
-            chunk_prompts = prompts[start : start + self.batch_size]
-            for name in self.weights:
-                parts[name].append(REWARDS[name](chunk, chunk_prompts).float())
-        scores = {name: torch.cat(values) for name, values in parts.items()}
-        scores["reward"] = sum(w * scores[name] for name, w in self.weights.items())
+        scores = {name: self._score(reward, images, prompts) for name, reward in self.rewards.items()}
+        scores["reward"] = sum(reward.options.weight * scores[name] for name, reward in self.rewards.items())
         return scores

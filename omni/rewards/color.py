@@ -8,6 +8,8 @@ import re
 
 import torch
 
+from omni.rewards.base import Reward
+
 COLORS = {
     "red": (1.0, 0.0, 0.0),
     "green": (0.0, 0.6, 0.0),
@@ -39,3 +41,11 @@ def color(images: torch.Tensor, prompts) -> torch.Tensor:
             distance = torch.linalg.vector_norm(mean_rgb[i] - torch.tensor(target))
             scores[i] = 1 - distance / _MAX_DISTANCE
     return scores
+
+
+class Color(Reward):
+    def score(self, images, prompts):
+        return color(images, prompts)
+
+
+REWARD = Color

@@ -1,31 +1,17 @@
-"""Rollout engines behind one interface (`omni.rollout.base.RolloutEngine`)."""
+"""Rollout engines behind one interface (`omni.rollout.base.RolloutEngine`), one module
+each: `omni/rollout/<engine>_engine.py` defines `build(cfg, family, model_path, device,
+dtype)`, chosen by `rollout.engine`."""
 
 from __future__ import annotations
 
 import torch
-from omegaconf import DictConfig
 
-ENGINES = ("diffusers", "vllm")
+from omni.models.base import ModelFamily
+from omni.registry import Registry
+
+ENGINES = Registry(__name__, "build", "rollout engine", "rollout.engine", suffix="_engine")
 
 
-def build_engine(cfg: DictConfig, model_path: str, device: torch.device, dtype: torch.dtype):
+def build_engine(cfg, family: ModelFamily, model_path: str, device: torch.device, dtype: torch.dtype):
     """The engine named by `rollout.engine`, holding its own copy of the model."""
-    if cfg.rollout.engine == "diffusers":
-        return _diffusers_engine(cfg, model_path, device, dtype)
-    if cfg.rollout.engine == "vllm":
-        return _vllm_engine(cfg, model_path, device, dtype)
-    raise ValueError(f"rollout.engine={cfg.rollout.engine}: expected one of {ENGINES}")
-
-
-def _diffusers_engine(cfg, model_path, device, dtype):
-    from omni.rollout.diffusers_engine import load_diffusers_engine
-
-    return load_diffusers_engine(model_path, device, dtype, cfg.rollout.micro_batch_size, cfg.rollout.load_base)
-
-
-def _vllm_engine(cfg, model_path, device, dtype):
-    from omni.rollout.vllm_engine import VllmEngine, vllm_options
-
-    rollout = cfg.rollout
-    options = vllm_options(rollout.options)
-    return VllmEngine.start(options, model_path, device, dtype, rollout.micro_batch_size, rollout.load_base, cfg.output_dir)
+    return ENGINES.get(cfg.rollout.engine.value)(cfg, family, model_path, device, dtype)

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 import torch
 
 from omni.config.model import LoraConfig
-from omni.models.sd3 import PromptEmbeds
+from omni.models.base import Conditioning
 
 
 @dataclass
@@ -32,14 +32,41 @@ class SamplingOptions:
 class RolloutBatch:
     prompts: List[str]
     images: torch.Tensor  # (B, 3, H, W) in [0, 1]
-    latents: torch.Tensor  # (B, T + 1, C, h, w): x_T ... x_0
+    latents: torch.Tensor  # (B, T + 1, *latent): x_T ... x_0 in the family's layout
     log_probs: torch.Tensor  # (B, T); 0 on ODE steps
     sigmas: torch.Tensor  # (T + 1,) noise level of each latent
-    cond: PromptEmbeds
+    cond: Conditioning  # the model family's text conditioning, one row per image
     options: SamplingOptions
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def select(self, rows: slice) -> "RolloutBatch":
+        """Rows `rows` as a batch of its own; copies, so that sending it to a worker sends
+        only these rows (a view would carry its whole buffer)."""
+        return RolloutBatch(
+            prompts=self.prompts[rows],
+            images=self.images[rows].clone(),
+            latents=self.latents[rows].clone(),
+            log_probs=self.log_probs[rows].clone(),
+            sigmas=self.sigmas,
+            cond=self.cond.apply(lambda t: t[rows].clone()),
+            options=self.options,
+        )
+
+    @staticmethod
+    def cat(parts: Sequence["RolloutBatch"]) -> "RolloutBatch":
+        """One batch from several, in order."""
+        first = parts[0]
+        return RolloutBatch(
+            prompts=[prompt for p in parts for prompt in p.prompts],
+            images=torch.cat([p.images for p in parts]),
+            latents=torch.cat([p.latents for p in parts]),
+            log_probs=torch.cat([p.log_probs for p in parts]),
+            sigmas=first.sigmas,
+            cond=type(first.cond).cat([p.cond for p in parts]),
+            options=first.options,
+        )
 
 
 class RolloutEngine(Protocol):
@@ -47,6 +74,10 @@ class RolloutEngine(Protocol):
     has_base: bool
 
     def generate(self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions) -> RolloutBatch: ...
+
+    def encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> Conditioning: ...
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor: ...
 
     def update_weights(
         self, named_tensors: Dict[str, torch.Tensor], base_sync_done: bool, lora: Optional[LoraConfig]

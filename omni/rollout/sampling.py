@@ -1,9 +1,8 @@
 """The Flow-GRPO rollout sampler shared by every engine (in-process diffusers, vLLM-Omni).
 
-Given an SD3-style pipeline (scheduler, transformer, VAE, text encoders), it samples images
-with SDE steps and returns what the actor needs to re-score them. Both engines call
-`sample_rollout`, so they produce the same latents and log-probs for the same weights,
-prompts and seeds.
+Given a model family and its diffusers pipeline, it samples images with SDE steps and
+returns what the actor needs to re-score them. Both engines call `sample_rollout`, so they
+produce the same latents and log-probs for the same weights, prompts and seeds.
 
 Randomness is per image: image i draws its initial latent and every step's noise from a
 generator seeded with seeds[i], so an image does not depend on how the batch is split
@@ -16,39 +15,31 @@ from typing import Sequence, Tuple
 
 import torch
 
-from omni.models.sd3 import PromptEmbeds, decode_latents, encode_prompts, predict_velocity
+from omni.models.base import Conditioning, ModelFamily
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.sde import ode_step, sde_step
 
 
-def flow_sigmas(scheduler, num_steps: int) -> torch.Tensor:
-    """The scheduler's noise levels for `num_steps` steps: (num_steps + 1,), on the CPU."""
-    scheduler.set_timesteps(num_steps, device="cpu")
-    return scheduler.sigmas.float().clone()
-
-
-def encode_each_prompt(pipe, prompts: Sequence[str], options: SamplingOptions, device) -> PromptEmbeds:
+def encode_each_prompt(family: ModelFamily, pipe, prompts: Sequence[str], options: SamplingOptions, device) -> Conditioning:
     """Text embeddings per prompt; repeated prompts (a GRPO group) are encoded once."""
     position = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
-    unique_cond = encode_prompts(pipe, list(position), options.guidance_scale, options.max_sequence_length, device)
+    unique_cond = family.encode_prompts(pipe, list(position), options.guidance_scale, options.max_sequence_length, device)
     index = torch.tensor([position[p] for p in prompts], device=device)
     return unique_cond.apply(lambda t: t[index])
 
 
 @torch.no_grad()
 def sample_trajectories(
-    pipe, cond: PromptEmbeds, seeds: Sequence[int], sigmas: torch.Tensor, options: SamplingOptions, device, dtype
+    family: ModelFamily, pipe, cond: Conditioning, seeds: Sequence[int], sigmas: torch.Tensor, options: SamplingOptions, device, dtype
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One micro-batch: (latents (B, T+1, C, h, w), log_probs (B, T), images (B, 3, H, W)) on
+    """One micro-batch: (latents (B, T+1, ...), log_probs (B, T), images (B, 3, H, W)) on
     the CPU. `dtype` is the transformer's, read once by the caller (reading a module's dtype
     walks all its parameters)."""
     transformer = pipe.transformer
     generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
-    channels = transformer.config.in_channels
-    size = options.resolution // pipe.vae_scale_factor
 
     def draw() -> torch.Tensor:
-        return torch.stack([torch.randn(channels, size, size, generator=g) for g in generators]).to(device, dtype)
+        return family.initial_latents(pipe, generators, options.resolution).to(device, dtype)
 
     x = draw()
     trajectory, log_probs = [x], []
@@ -56,28 +47,29 @@ def sample_trajectories(
     sigma_max = float(sigmas[1])
     for i in range(options.num_steps):
         sigma = sigmas[i].expand(len(seeds)).to(device)
-        velocity = predict_velocity(transformer, x, sigma, cond, options.guidance_scale)
+        velocity = family.predict_velocity(transformer, x, sigma, cond, options.guidance_scale)
         if start <= i < stop:
             x, log_prob, _, _ = sde_step(velocity, x, sigmas[i], sigmas[i + 1], sigma_max, options.noise_level, noise=draw())
         else:
             x, log_prob = ode_step(velocity, x, sigmas[i], sigmas[i + 1]), torch.zeros(len(seeds), device=device)
         trajectory.append(x)
         log_probs.append(log_prob)
-    images = decode_latents(pipe.vae, x, dtype)
+    images = family.decode(pipe, x, options.resolution)
     return torch.stack(trajectory, 1).cpu(), torch.stack(log_probs, 1).float().cpu(), images.cpu()
 
 
 @torch.no_grad()
 def sample_rollout(
-    pipe, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions, micro_batch_size: int, device, dtype
+    family: ModelFamily, pipe, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions, micro_batch_size: int, device, dtype
 ) -> RolloutBatch:
     """Sample every (prompt, seed) in micro-batches; the batch the actor re-scores."""
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-    sigmas = flow_sigmas(pipe.scheduler, options.num_steps)
-    cond = encode_each_prompt(pipe, prompts, options, device)
+    sigmas = family.sigmas(pipe, options.num_steps, options.resolution)
+    cond = encode_each_prompt(family, pipe, prompts, options, device)
     chunks = [
         sample_trajectories(
+            family,
             pipe,
             cond.apply(lambda t: t[s : s + micro_batch_size]),
             seeds[s : s + micro_batch_size],
@@ -90,11 +82,3 @@ def sample_rollout(
     ]
     latents, log_probs, images = (torch.cat(parts) for parts in zip(*chunks))
     return RolloutBatch(list(prompts), images, latents, log_probs, sigmas, cond.apply(lambda t: t.cpu()), options)
-
-
-@torch.no_grad()
-def encode_images(vae, images: torch.Tensor, device) -> torch.Tensor:
-    """Images in [0, 1] -> the transformer's latents (the VAE posterior's mode), on the CPU."""
-    pixels = (images * 2 - 1).to(device, vae.dtype)
-    latents = vae.encode(pixels).latent_dist.mode()
-    return ((latents - vae.config.shift_factor) * vae.config.scaling_factor).cpu()

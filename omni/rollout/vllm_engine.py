@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 import omni
 from omni.config.model import LoraConfig
 from omni.config.rollout import VllmOptions
-from omni.models.sd3 import PromptEmbeds
+from omni.models.base import Conditioning, ModelFamily
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.transport import get_json, pack, post, write_base_weights, write_lora_adapter
 from omni.rollout.vllm_protocol import batch_from_tensors
@@ -46,8 +46,18 @@ INSTALL_HINT = (
 )
 
 
+def build(cfg, family: ModelFamily, model_path: str, device: torch.device, dtype: torch.dtype) -> "VllmEngine":
+    """`rollout.engine=vllm`."""
+    rollout = cfg.rollout
+    return VllmEngine.start(
+        family, vllm_options(rollout.options), model_path, device, dtype, rollout.micro_batch_size, rollout.load_base, cfg.output_dir
+    )
+
+
 def vllm_options(options) -> VllmOptions:
     """`rollout.options` (typed, or the plain dict of a resolved config) as VllmOptions."""
+    if isinstance(options, VllmOptions):
+        return options
     if OmegaConf.is_config(options):
         options = OmegaConf.to_container(options, resolve=True)
     options = dict(options or {})
@@ -114,8 +124,9 @@ def _engine_env(device: torch.device) -> Dict[str, str]:
 class VllmEngine:
     """The rollout engine interface (`omni.rollout.base.RolloutEngine`) over HTTP."""
 
-    def __init__(self, options: VllmOptions, url: str, shared_dir: Path, process: Optional[subprocess.Popen] = None):
+    def __init__(self, options: VllmOptions, family: ModelFamily, url: str, shared_dir: Path, process: Optional[subprocess.Popen] = None):
         self.options, self.url, self.process = options, url, process
+        self.conditioning = family.conditioning
         self.shared_dir = Path(shared_dir)
         self.shared_dir.mkdir(parents=True, exist_ok=True)
         self._versions = 0
@@ -124,19 +135,22 @@ class VllmEngine:
 
     # ----------------------------------------------------------------- start / attach
     @classmethod
-    def start(cls, options: VllmOptions, model_path: str, device: torch.device, dtype: torch.dtype, micro_batch_size: int, load_base: bool, run_dir: Path) -> "VllmEngine":
+    def start(
+        cls, family: ModelFamily, options: VllmOptions, model_path: str, device: torch.device, dtype: torch.dtype,
+        micro_batch_size: int, load_base: bool, run_dir: Path,
+    ) -> "VllmEngine":
         """Attach to `options.url`, or start an engine process for `model_path`."""
         shared_dir = Path(options.shared_dir or Path(run_dir) / "vllm_engine") / f"worker-{os.getpid()}"
         if options.url:
             served = get_json(options.url, "health", timeout=30)["model"]
             if Path(served).name != Path(model_path).name:
                 logger.warning("the engine at %s serves %s, the run trains %s", options.url, served, model_path)
-            return cls(options, options.url, shared_dir)
+            return cls(options, family, options.url, shared_dir)
         problem = engine_unavailable(options)
         if problem:
             raise RuntimeError(problem)
-        url, process = _launch(options, model_path, device, dtype, micro_batch_size, load_base, shared_dir)
-        return cls(options, url, shared_dir, process)
+        url, process = _launch(options, family.name, model_path, device, dtype, micro_batch_size, load_base, shared_dir)
+        return cls(options, family, url, shared_dir, process)
 
     # ----------------------------------------------------------------- rollout
     def generate(self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions) -> RolloutBatch:
@@ -144,12 +158,12 @@ class VllmEngine:
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         meta = {"prompts": list(prompts), "seeds": [int(s) for s in seeds], "options": dataclasses.asdict(options)}
         tensors, _ = post(self.url, "generate", pack(meta=meta), self.options.request_timeout)
-        return batch_from_tensors(prompts, tensors, options)
+        return batch_from_tensors(prompts, tensors, options, self.conditioning)
 
-    def encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> PromptEmbeds:
+    def encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> Conditioning:
         meta = {"prompts": list(prompts), "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length}
         tensors, _ = post(self.url, "encode_prompts", pack(meta=meta), self.options.request_timeout)
-        return PromptEmbeds(**tensors)
+        return self.conditioning.from_tensors(tensors)
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         tensors, _ = post(self.url, "encode_images", pack({"images": images}), self.options.request_timeout)
@@ -187,12 +201,12 @@ class VllmEngine:
             self._last_sync = None
 
 
-def _launch(options, model_path, device, dtype, micro_batch_size, load_base, shared_dir: Path):
+def _launch(options, family: str, model_path, device, dtype, micro_batch_size, load_base, shared_dir: Path):
     """Start `omni.rollout.vllm_server` with the engine env's python; wait until it answers."""
     from omni.distributed import free_port
 
     port = free_port()
-    command = [engine_python(options), "-m", "omni.rollout.vllm_server", "--model", str(model_path), "--port", str(port)]
+    command = [engine_python(options), "-m", "omni.rollout.vllm_server", "--model", str(model_path), "--family", family, "--port", str(port)]
     command += ["--dtype", str(dtype).removeprefix("torch."), "--max-num-seqs", str(micro_batch_size), "--backend", options.backend]
     command += ["--device", device.type, "--engine-args", json.dumps(dict(options.engine_args)), "--exit-with-parent"]
     command += [] if load_base else ["--no-load-base"]

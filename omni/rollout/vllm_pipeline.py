@@ -1,8 +1,8 @@
-"""Our pipeline class for vLLM-Omni: Flow-GRPO SDE sampling with log-probs on SD3.
+"""Our pipeline class for vLLM-Omni: Flow-GRPO SDE sampling with log-probs, for any model family.
 
 vLLM-Omni has no SDE sampler and reports no log-probs, but runs a custom pipeline class
-(`custom_pipeline_args={"pipeline_class": "omni.rollout.vllm_pipeline.FlowGRPOSD3Pipeline"}`).
-This is that class. It wraps our in-process engine (`DiffusersEngine`: the diffusers SD3
+(`custom_pipeline_args={"pipeline_class": "omni.rollout.vllm_pipeline.FlowGRPOPipeline"}`).
+This is that class. It wraps our in-process engine (`DiffusersEngine`: the family's diffusers
 components, PEFT LoRA on the transformer) and samples with the very function the
 in-process engine uses, so its log-probs equal the diffusers engine's for the same model,
 seeds and weights. vLLM-Omni contributes the serving: its process, request scheduling
@@ -20,25 +20,25 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
+from omni.models import get_family
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.diffusers_engine import load_diffusers_engine
 from omni.rollout.transport import read_weights
 from omni.rollout.vllm_protocol import group_by_options, output_fields, prompt_text
 
-PIPELINE_CLASS = "omni.rollout.vllm_pipeline.FlowGRPOSD3Pipeline"
+PIPELINE_CLASS = "omni.rollout.vllm_pipeline.FlowGRPOPipeline"
 
 
-class FlowGRPOSD3Pipeline(torch.nn.Module):
-    """Built by vLLM-Omni as `FlowGRPOSD3Pipeline(od_config=...)` on the CPU, then moved to
+class FlowGRPOPipeline(torch.nn.Module):
+    """Built by vLLM-Omni as `FlowGRPOPipeline(od_config=...)` on the CPU, then moved to
     the device with `.to()`. Reads `od_config.model`, `od_config.dtype` and our
-    `od_config.custom_pipeline_args["load_base"]` (False: a dummy transformer until the
-    first weight sync)."""
+    `od_config.custom_pipeline_args`: "family" (`model.family`) and "load_base" (False: a
+    dummy transformer until the first weight sync)."""
 
     # vLLM-Omni hands us a whole batch of co-scheduled requests per forward.
     supports_request_batch = True
     # Component names for vLLM-Omni's discovery (offloading, memory accounting).
     _dit_modules = ["transformer"]
-    _encoder_modules = ["text_encoder", "text_encoder_2", "text_encoder_3"]
     _vae_modules = ["vae"]
 
     def __init__(self, *, od_config, prefix: str = ""):
@@ -46,13 +46,18 @@ class FlowGRPOSD3Pipeline(torch.nn.Module):
         self.od_config = od_config
         args = od_config.custom_pipeline_args or {}
         # micro_batch_size is per call: each forward samples its requests in one pass.
+        if "family" not in args:
+            raise ValueError("custom_pipeline_args needs 'family' (model.family), e.g. {'family': 'sd3'}")
+        family = get_family(args["family"])
         self.engine = load_diffusers_engine(
-            od_config.model, torch.device("cpu"), od_config.dtype, micro_batch_size=1, load_base=args.get("load_base", True)
+            family, od_config.model, torch.device("cpu"), od_config.dtype, micro_batch_size=1, load_base=args.get("load_base", True)
         )
         pipe = self.engine.pipe
         # Registered as submodules so vLLM-Omni's `.to(device)` moves them.
         self.transformer, self.vae = pipe.transformer, pipe.vae
-        self.text_encoder, self.text_encoder_2, self.text_encoder_3 = pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3
+        self._encoder_modules = list(family.text_encoders)
+        for name in family.text_encoders:
+            setattr(self, name, getattr(pipe, name))
 
     # ----------------------------------------------------------------- loading
     def load_weights(self, weights: Iterable) -> Optional[set]:
@@ -60,7 +65,7 @@ class FlowGRPOSD3Pipeline(torch.nn.Module):
         declare no `weights_sources`, so this receives nothing at start; returning None
         skips the loader's check that every parameter came from a checkpoint."""
         for _ in weights:
-            raise ValueError("FlowGRPOSD3Pipeline loads its weights itself; sync them with sync_weights_from")
+            raise ValueError("FlowGRPOPipeline loads its weights itself; sync them with sync_weights_from")
         return None
 
     def sync_weights_from(self, path: str) -> Dict[str, Any]:

@@ -22,11 +22,10 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from omni.models.sd3 import PromptEmbeds
+from omni.models.base import Conditioning
 from omni.rollout.base import RolloutBatch, SamplingOptions
 
 ROLLOUT_KEY = "omni_rollout"
-COND_FIELDS = ("embeds", "pooled", "neg_embeds", "neg_pooled")
 # What a request without our options (vLLM-Omni's start-up warm-up) is sampled with.
 DEFAULT_RESOLUTION = 512
 DEFAULT_MAX_SEQUENCE_LENGTH = 256
@@ -77,7 +76,7 @@ def group_by_options(prompts: Sequence, params_list: Sequence) -> List[Tuple[Sam
 
 def output_fields(batch: RolloutBatch, row: int) -> Dict[str, Any]:
     """`DiffusionOutput` keyword arguments for image `row` of a sampled batch."""
-    cond = {name: getattr(batch.cond, name)[row] for name in COND_FIELDS if getattr(batch.cond, name) is not None}
+    cond = {name: t[row] for name, t in batch.cond.tensors().items()}
     return dict(
         output={"payload": {"image": batch.images[row]}, "metadata": {ROLLOUT_KEY: cond}},
         trajectory_latents=batch.latents[row],
@@ -117,7 +116,7 @@ def result_from_output(output) -> Dict[str, torch.Tensor]:
     if ROLLOUT_KEY not in metadata or not output.images:
         raise RuntimeError(
             "vLLM-Omni's answer lacks the rollout payload: is the engine running "
-            "omni.rollout.vllm_pipeline.FlowGRPOSD3Pipeline with output_type='latent'?"
+            "omni.rollout.vllm_pipeline.FlowGRPOPipeline with output_type='latent'?"
         )
     result = {name: t for name, t in metadata[ROLLOUT_KEY].items()}
     result.update(
@@ -129,10 +128,12 @@ def result_from_output(output) -> Dict[str, torch.Tensor]:
     return {name: torch.as_tensor(t).cpu() for name, t in result.items()}
 
 
-def collate_results(prompts: Sequence[str], results: Sequence[Dict[str, torch.Tensor]], options: SamplingOptions) -> RolloutBatch:
-    """Per-image results -> the batch the actor re-scores."""
+def collate_results(
+    prompts: Sequence[str], results: Sequence[Dict[str, torch.Tensor]], options: SamplingOptions, conditioning: type
+) -> RolloutBatch:
+    """Per-image results -> the batch the actor re-scores (`conditioning`: the family's type)."""
     stack = lambda name: torch.stack([r[name] for r in results])  # noqa: E731
-    cond = PromptEmbeds(*(stack(name) if name in results[0] else None for name in COND_FIELDS))
+    cond = conditioning(*(stack(name) if name in results[0] else None for name in conditioning.field_names()))
     return RolloutBatch(
         list(prompts), stack("image"), stack("latents"), stack("log_probs").float(), results[0]["sigmas"], cond, options
     )
@@ -141,10 +142,10 @@ def collate_results(prompts: Sequence[str], results: Sequence[Dict[str, torch.Te
 def batch_to_tensors(batch: RolloutBatch) -> Dict[str, torch.Tensor]:
     """A sampled batch as named tensors (the engine's HTTP answer)."""
     tensors = dict(images=batch.images, latents=batch.latents, log_probs=batch.log_probs, sigmas=batch.sigmas)
-    tensors.update({name: getattr(batch.cond, name) for name in COND_FIELDS if getattr(batch.cond, name) is not None})
+    tensors.update(batch.cond.tensors())
     return tensors
 
 
-def batch_from_tensors(prompts: Sequence[str], tensors: Dict[str, torch.Tensor], options: SamplingOptions) -> RolloutBatch:
-    cond = PromptEmbeds(*(tensors.get(name) for name in COND_FIELDS))
+def batch_from_tensors(prompts: Sequence[str], tensors: Dict[str, torch.Tensor], options: SamplingOptions, conditioning: type) -> RolloutBatch:
+    cond: Conditioning = conditioning.from_tensors(tensors)
     return RolloutBatch(list(prompts), tensors["images"], tensors["latents"], tensors["log_probs"], tensors["sigmas"], cond, options)

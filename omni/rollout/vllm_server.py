@@ -12,7 +12,7 @@ API (bodies are `omni.rollout.transport.pack` blobs; see `omni.rollout.vllm_engi
     POST /encode_prompts  prompts -> text embeddings;  POST /encode_images  images -> latents
     POST /shutdown
 
-Backends: `vllm` (AsyncOmni with `FlowGRPOSD3Pipeline` and our worker extension, one
+Backends: `vllm` (AsyncOmni with `FlowGRPOPipeline` and our worker extension, one
 request per image) and `local` (the same pipeline class called in this process, through
 the same request/answer mapping: runs without vLLM, for tests and debugging).
 """
@@ -33,10 +33,11 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
-from omni.models.sd3 import PromptEmbeds
+from omni.models import get_family
+from omni.models.base import Conditioning
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.transport import pack, unpack
-from omni.rollout.vllm_pipeline import PIPELINE_CLASS, FlowGRPOSD3Pipeline
+from omni.rollout.vllm_pipeline import PIPELINE_CLASS, FlowGRPOPipeline
 from omni.rollout.vllm_protocol import (
     batch_to_tensors,
     collate_results,
@@ -54,8 +55,10 @@ class LocalBackend:
     `max_num_seqs`; its answers go through the formatter's mapping (`emulate_request_output`)."""
 
     def __init__(self, args):
-        od_config = SimpleNamespace(model=args.model, dtype=DTYPES[args.dtype], custom_pipeline_args={"load_base": args.load_base})
-        self.pipeline = FlowGRPOSD3Pipeline(od_config=od_config).to(args.device)
+        pipeline_args = {"family": args.family, "load_base": args.load_base}
+        od_config = SimpleNamespace(model=args.model, dtype=DTYPES[args.dtype], custom_pipeline_args=pipeline_args)
+        self.pipeline = FlowGRPOPipeline(od_config=od_config).to(args.device)
+        self.conditioning = get_family(args.family).conditioning
         self.max_num_seqs = args.max_num_seqs
 
     def has_base(self) -> bool:
@@ -71,12 +74,12 @@ class LocalBackend:
                 sampling_params_list=[SimpleNamespace(**sampling) for _, sampling in chunk],
             )
             results += [result_from_output(emulate_request_output(f)) for f in self.pipeline.forward_fields(batch)]
-        return collate_results(prompts, results, options)
+        return collate_results(prompts, results, options, self.conditioning)
 
     def sync_weights(self, path: str) -> Dict[str, Any]:
         return self.pipeline.sync_weights_from(path)
 
-    def encode_prompts(self, prompts, guidance_scale, max_sequence_length) -> PromptEmbeds:
+    def encode_prompts(self, prompts, guidance_scale, max_sequence_length) -> Conditioning:
         return self.pipeline.encode_prompts(prompts, guidance_scale, max_sequence_length)
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
@@ -92,12 +95,12 @@ def engine_kwargs(args) -> Dict[str, Any]:
     from omni.rollout.vllm_worker import WORKER_EXTENSION_CLASS
 
     ours = dict(
-        custom_pipeline_args={"pipeline_class": PIPELINE_CLASS, "load_base": args.load_base},
+        custom_pipeline_args={"pipeline_class": PIPELINE_CLASS, "family": args.family, "load_base": args.load_base},
         worker_extension_cls=WORKER_EXTENSION_CLASS,
         enforce_eager=True,  # PEFT adapters are injected after start-up: no captured graphs
         max_num_seqs=args.max_num_seqs,
         dtype=args.dtype,
-        output_type="latent",  # SD3's post-process then passes our payload through untouched
+        output_type="latent",  # the family's post-process then passes our payload through untouched
     )
     return {**ours, **json.loads(args.engine_args)}
 
@@ -109,6 +112,7 @@ class VllmOmniBackend:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="vllm-omni-loop", daemon=True).start()
         self.omni = self._wait(self._start(args))
+        self.conditioning = get_family(args.family).conditioning
 
     def _wait(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
@@ -146,13 +150,13 @@ class VllmOmniBackend:
         )
 
     def generate(self, prompts, seeds, options) -> RolloutBatch:
-        return collate_results(prompts, self._wait(self._generate(prompts, seeds, options)), options)
+        return collate_results(prompts, self._wait(self._generate(prompts, seeds, options)), options, self.conditioning)
 
     def sync_weights(self, path: str) -> Dict[str, Any]:
         return self._rpc("omni_sync_weights", path)
 
-    def encode_prompts(self, prompts, guidance_scale, max_sequence_length) -> PromptEmbeds:
-        return PromptEmbeds(**self._rpc("omni_encode_prompts", list(prompts), guidance_scale, max_sequence_length))
+    def encode_prompts(self, prompts, guidance_scale, max_sequence_length) -> Conditioning:
+        return self.conditioning(**self._rpc("omni_encode_prompts", list(prompts), guidance_scale, max_sequence_length))
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         return self._rpc("omni_encode_images", images)
@@ -171,7 +175,7 @@ def handle(backend, route: str, tensors: Dict[str, torch.Tensor], meta: Dict[str
         return pack(meta=backend.sync_weights(meta["path"]))
     if route == "encode_prompts":
         cond = backend.encode_prompts(meta["prompts"], meta["guidance_scale"], meta["max_sequence_length"])
-        return pack({name: t for name, t in vars(cond).items() if t is not None})
+        return pack(cond.tensors())
     if route == "encode_images":
         return pack({"latents": backend.encode_images(tensors["images"])})
     raise KeyError(f"unknown route /{route}")
@@ -211,7 +215,8 @@ def make_handler(backend, info: Dict[str, Any], stop: threading.Event):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="diffusers SD3 checkpoint directory")
+    parser.add_argument("--model", required=True, help="diffusers checkpoint directory")
+    parser.add_argument("--family", default="sd3", help="the model family (model.family)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
@@ -244,7 +249,7 @@ def main(argv=None) -> None:
     stop = threading.Event()
     if args.exit_with_parent:
         stop_when_parent_dies(stop)
-    info = {"model": args.model, "backend": args.backend}
+    info = {"model": args.model, "family": args.family, "backend": args.backend}
     server = HTTPServer((args.host, args.port), make_handler(backend, info, stop))
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     logger.info("rollout engine (%s) listening on http://%s:%d", args.backend, args.host, server.server_port)

@@ -22,7 +22,7 @@ class OmniRolloutWorkerExtension(CustomPipelineWorkerExtension):
     def _rollout_pipeline(self):
         pipeline = self.model_runner.pipeline
         if not hasattr(pipeline, "sync_weights_from"):
-            raise RuntimeError(f"the worker runs {type(pipeline).__name__}, not omni's FlowGRPOSD3Pipeline")
+            raise RuntimeError(f"the worker runs {type(pipeline).__name__}, not omni's FlowGRPOPipeline")
         return pipeline
 
     def omni_sync_weights(self, path: str) -> Dict[str, Any]:
@@ -34,7 +34,7 @@ class OmniRolloutWorkerExtension(CustomPipelineWorkerExtension):
 
     def omni_encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> Dict[str, torch.Tensor]:
         cond = self._rollout_pipeline().encode_prompts(list(prompts), guidance_scale, max_sequence_length)
-        return {name: t for name, t in vars(cond).items() if t is not None}
+        return cond.tensors()
 
     def omni_encode_images(self, images: torch.Tensor) -> torch.Tensor:
         return self._rollout_pipeline().encode_images(images)

@@ -7,18 +7,12 @@ process (no Ray, so the default CPU run starts in seconds); more start a Ray wor
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from omni.workers.errors import ResourcesUnavailable, WorkerFailure
+
+__all__ = ["ResourcesUnavailable", "WorkerFailure", "build_actor_rollout"]
 
 
-class WorkerFailure(RuntimeError):
-    """A worker of the group died or raised; the group has been stopped."""
-
-
-class ResourcesUnavailable(RuntimeError):
-    """The machine or the Ray cluster cannot hold the workers asked for; names the keys."""
-
-
-def build_actor_rollout(cfg: DictConfig, model_path: str):
+def build_actor_rollout(cfg, model_path: str):
     """A set-up `ActorRolloutWorker` (n_workers=1) or `ActorRolloutGroup` (n_workers > 1)."""
     if cfg.trainer.n_workers > 1:
         from omni.workers.ray_group import ActorRolloutGroup
@@ -32,7 +26,7 @@ def build_actor_rollout(cfg: DictConfig, model_path: str):
     return worker
 
 
-def check_local_gpus(trainer: DictConfig) -> None:
+def check_local_gpus(trainer) -> None:
     import torch
 
     if trainer.n_gpus_per_node > torch.cuda.device_count():

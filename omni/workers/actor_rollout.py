@@ -1,25 +1,26 @@
 """The actor-rollout worker: the trained transformer (FSDP + PEFT LoRA) and a rollout engine.
 
-It is the one place that touches several config groups. Per step it samples with its engine,
-re-scores the stored trajectory with the actor, takes the Flow-GRPO update, then hands the
-new LoRA to the engine through `omni.fsdp_utils.collect_lora_params`.
+It is the one place that touches several config groups. It offers an algorithm generic
+primitives: sampling with its engine, the velocity under the policy or the reference (the
+same transformer with its LoRA disabled), backward, the optimizer step, and the weight sync
+that hands the new LoRA to the engine through `omni.fsdp_utils.collect_lora_params`. An
+algorithm's update (`omni.algorithms.<name>.update`) runs on the worker through `train`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, Sequence
 
 import torch
-from omegaconf import DictConfig
 
-from omni.algorithms import dpo, flow_grpo
 from omni.distributed import destroy_process_group, init_process_group, pick_device
 from omni.fsdp_utils import collect_lora_params
-from omni.models.sd3 import PromptEmbeds, predict_velocity
+from omni.models import get_family
+from omni.models.base import Conditioning
+from omni.rollout import build_engine
 from omni.rollout.base import RolloutBatch, SamplingOptions
-from omni.rollout.sde import sde_step
 from omni.weights import add_lora_adapter, module_lora_names
 from omni.workers.sharding import clip_grad_norm, wrap_fsdp
 
@@ -45,30 +46,8 @@ def adapters_disabled(module: torch.nn.Module):
             layer.enable_adapters(True)
 
 
-def minibatch_rows(n_samples: int, sde_steps, num_minibatches: int, seed: int, first_sample: int = 0):
-    """(samples, steps) of each minibatch of one pass over a batch of `n_samples` trajectories.
-
-    Every sample's SDE steps are shuffled by a generator of its own, seeded by `seed` and the
-    sample's index in the whole batch (`first_sample` + i), and minibatch m takes the m-th
-    share of each sample's steps. A worker holding a shard of the samples therefore holds the
-    same share of every minibatch as the others, and the union over workers is exactly the
-    minibatch one worker builds from the whole batch: sharding does not change the update.
-    """
-    start, stop = sde_steps
-    samples: List[List[torch.Tensor]] = [[] for _ in range(num_minibatches)]
-    steps: List[List[torch.Tensor]] = [[] for _ in range(num_minibatches)]
-    for i in range(n_samples):
-        generator = torch.Generator().manual_seed((seed * 1_000_003 + first_sample + i) % 2**63)
-        order = torch.randperm(stop - start, generator=generator) + start
-        for m, share in enumerate(order.tensor_split(num_minibatches)):
-            samples[m].append(torch.full_like(share, i))
-            steps[m].append(share)
-    minibatches = [(torch.cat(s), torch.cat(j)) for s, j in zip(samples, steps)]
-    return [(s, j) for s, j in minibatches if len(s)]
-
-
 class ActorRolloutWorker:
-    def __init__(self, cfg: DictConfig, model_path: str, rank: int = 0, world_size: int = 1, local_rank: int = 0):
+    def __init__(self, cfg, model_path: str, rank: int = 0, world_size: int = 1, local_rank: int = 0):
         """`rank` and `world_size` place the worker in the actor's process group;
         `local_rank` is its device index on its machine."""
         self.cfg = cfg
@@ -76,18 +55,17 @@ class ActorRolloutWorker:
         self.device = pick_device(cfg.trainer.device, local_rank)
         self.dtype = torch_dtype(cfg.model.dtype, self.device)
         self.model_path = model_path
+        self.family = get_family(cfg.model.family)
         self.lora_cfg = cfg.model.lora
         self.base_synced = False
 
     # ----------------------------------------------------------------- set-up
     def setup(self) -> None:
-        from diffusers import SD3Transformer2DModel
-
         fsdp_version = self.cfg.model.fsdp.version if self.world_size > 1 else 0
         if self.world_size > 1:
             init_process_group(self.rank, self.world_size, self.device)
         torch.manual_seed(self.cfg.seed)
-        actor = SD3Transformer2DModel.from_pretrained(self.model_path, subfolder="transformer", torch_dtype=self.dtype)
+        actor = self.family.load_transformer(self.model_path, self.dtype)
         actor.requires_grad_(False)
         add_lora_adapter(actor, self.lora_cfg)
         self.actor = wrap_fsdp(actor, fsdp_version, self.cfg.model.fsdp.layer_prefixes, self.device)
@@ -95,13 +73,8 @@ class ActorRolloutWorker:
         self.optimizer = torch.optim.AdamW(
             self.trainable, lr=self.cfg.trainer.lr, weight_decay=self.cfg.trainer.weight_decay
         )
-        self.engine = self._build_engine()
+        self.engine = build_engine(self.cfg, self.family, self.model_path, self.device, self.dtype)
         self.sync_weights()
-
-    def _build_engine(self):
-        from omni.rollout import build_engine
-
-        return build_engine(self.cfg, self.model_path, self.device, self.dtype)
 
     # ----------------------------------------------------------------- sync
     def sync_weights(self) -> Dict[str, float]:
@@ -159,108 +132,48 @@ class ActorRolloutWorker:
     def generate(self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions) -> RolloutBatch:
         return self.engine.generate(prompts, seeds, options)
 
-    # ----------------------------------------------------------------- update
-    def score_rows(self, batch: RolloutBatch, samples: torch.Tensor, steps: torch.Tensor, with_reference: bool):
-        """Actor log-probs of the stored transitions (sample i, step j) -> (log_prob, kl)."""
-        opts = batch.options
-        latents = batch.latents[samples, steps].to(self.device, self.dtype)
-        next_latents = batch.latents[samples, steps + 1].to(self.device, self.dtype)
-        sigma, sigma_next = batch.sigmas[steps], batch.sigmas[steps + 1]
-        cond: PromptEmbeds = batch.cond.apply(lambda t: t[samples].to(self.device, self.dtype))
-        sigma_max = float(batch.sigmas[1])
+    def encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> Conditioning:
+        return self.engine.encode_prompts(prompts, guidance_scale, max_sequence_length)
 
-        def step_under_current_weights():
-            velocity = predict_velocity(self.actor, latents, sigma.to(self.device), cond, opts.guidance_scale)
-            return sde_step(velocity, latents, sigma, sigma_next, sigma_max, opts.noise_level, next_sample=next_latents)
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        return self.engine.encode_images(images)
 
-        _, log_prob, mean, scale = step_under_current_weights()
-        if not with_reference:
-            return log_prob.float(), torch.zeros_like(log_prob, dtype=torch.float32)
+    # ----------------------------------------------------------------- primitives of an update
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A latent or embedding on the actor's device, in its compute dtype."""
+        return tensor.to(self.device, self.dtype)
+
+    def velocity(self, latents, sigmas, cond: Conditioning, guidance_scale: float, reference: bool = False) -> torch.Tensor:
+        """The actor's velocity (with gradients), or the reference's (adapters disabled, no
+        gradients); inputs already on the device (`to_device`)."""
+        sigmas = sigmas.to(self.device)
+        if not reference:
+            return self.family.predict_velocity(self.actor, latents, sigmas, cond, guidance_scale)
         with torch.no_grad(), adapters_disabled(self.actor):
-            _, _, ref_mean, _ = step_under_current_weights()
-        return log_prob.float(), flow_grpo.gaussian_step_kl(mean.float(), ref_mean.float(), scale.float())
+            return self.family.predict_velocity(self.actor, latents, sigmas, cond, guidance_scale)
 
-    def update(self, batch: RolloutBatch, advantages: torch.Tensor, seed: int, first_sample: int = 0) -> Dict[str, float]:
-        """Flow-GRPO update on every (sample, SDE step) transition of the batch: each inner
-        epoch is `num_minibatches` optimizer steps (see `minibatch_rows`). A worker of a
-        group passes the index of its first sample in the whole batch as `first_sample`."""
-        algo = self.cfg.algorithm
-        totals: Dict[str, List[float]] = {}
-        self.actor.train()
-        for epoch in range(algo.num_inner_epochs):
-            plan = minibatch_rows(len(batch), batch.options.sde_steps, algo.num_minibatches, seed * 1_009 + epoch, first_sample)
-            for samples, steps in plan:
-                metrics = self._minibatch_step(batch, advantages, samples, steps)
-                for key, value in metrics.items():
-                    totals.setdefault(key, []).append(value)
-        return {key: sum(values) / len(values) for key, values in totals.items()}
-
-    def _minibatch_step(self, batch, advantages, samples, steps) -> Dict[str, float]:
-        algo = self.cfg.algorithm
-        sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio": 0.0}
+    def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        for rows in torch.arange(len(samples)).split(self.cfg.trainer.micro_batch_size):
-            s, j = samples[rows], steps[rows]
-            log_prob, kl = self.score_rows(batch, s, j, with_reference=algo.kl_coef > 0)
-            old_log_prob = batch.log_probs[s, j].to(log_prob.device)
-            adv = advantages[s].to(log_prob.device)
-            policy_loss, ratio, clip_fraction = flow_grpo.clipped_policy_loss(log_prob, old_log_prob, adv, algo.clip_range)
-            loss = policy_loss + algo.kl_coef * kl.mean()
-            weight = len(rows) / len(samples)  # the mean over this worker's rows; FSDP averages the workers
-            (loss * weight).backward()
-            for key, value in (("loss", loss), ("kl", kl.mean()), ("clip_fraction", clip_fraction), ("ratio", ratio.mean())):
-                sums[key] += float(value.detach()) * weight
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def optimizer_step(self) -> float:
+        """Clip the gradient norm, step; returns the norm before clipping."""
         grad_norm = clip_grad_norm(self.actor, self.trainable, self.cfg.trainer.max_grad_norm)
         self.optimizer.step()
-        return {**sums, "grad_norm": float(grad_norm)}
+        return float(grad_norm)
 
-    # ----------------------------------------------------------------- DPO
-    def dpo_outputs(self, x0_chosen, x0_rejected, cond: PromptEmbeds, sigmas, noise):
-        """Diffusion-DPO loss and metrics for pairs sharing noise level and noise."""
-        n = len(x0_chosen)
-        to = lambda t: t.to(self.device, self.dtype)  # noqa: E731
-        x0 = to(torch.cat([x0_chosen, x0_rejected]))
-        noise2, sigmas2 = to(torch.cat([noise, noise])), torch.cat([sigmas, sigmas]).to(self.device)
-        cond2 = cond.apply(lambda t: to(torch.cat([t, t])))
-        noisy, target = dpo.noisy_latents(x0, noise2, sigmas2), dpo.velocity_target(x0, noise2)
-        policy_err = dpo.per_sample_mse(predict_velocity(self.actor, noisy, sigmas2, cond2, 1.0), target)
-        with torch.no_grad(), adapters_disabled(self.actor):
-            ref_err = dpo.per_sample_mse(predict_velocity(self.actor, noisy, sigmas2, cond2, 1.0), target)
-        return dpo.diffusion_dpo_loss(policy_err[:n], policy_err[n:], ref_err[:n], ref_err[n:], self.cfg.algorithm.beta)
-
-    def dpo_noise(self, shape: torch.Size, seed: int):
-        """Noise levels and noise of `shape[0]` pairs of latents of `shape[1:]`."""
-        algo = self.cfg.algorithm
-        generator = torch.Generator().manual_seed(seed)
-        sigmas = dpo.sample_sigmas(shape[0], algo.sigma_sampling, generator, algo.logit_mean, algo.logit_std)
-        return sigmas, torch.randn(shape, generator=generator)
-
-    def dpo_update(
-        self, x0_chosen, x0_rejected, cond: PromptEmbeds, seed: int, first_pair: int = 0, total_pairs: Optional[int] = None
-    ) -> Dict[str, float]:
-        """One optimizer step of Diffusion-DPO over the pairs, in micro-batches of pairs. A
-        worker of a group holds pairs [first_pair, first_pair + n) of `total_pairs`: it draws
-        the whole batch's noise and keeps its rows, so the split does not change the noise."""
-        n = len(x0_chosen)
-        rows_of_batch = slice(first_pair, first_pair + n)
-        sigmas, noise = self.dpo_noise((total_pairs or n, *x0_chosen.shape[1:]), seed)
-        sigmas, noise = sigmas[rows_of_batch], noise[rows_of_batch]
+    def train(self, update: Callable, batch, seed: int, first: int = 0, total: int = 0) -> Dict[str, float]:
+        """Run an algorithm's `update(worker, batch, seed, first, total)` on this worker's
+        rows [first, first + len(batch)) of a batch of `total` rows (0: this is the batch)."""
         self.actor.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: Dict[str, float] = {}
-        for rows in torch.arange(n).split(max(1, self.cfg.trainer.micro_batch_size // 2)):
-            out = self.dpo_outputs(x0_chosen[rows], x0_rejected[rows], cond.apply(lambda t: t[rows]), sigmas[rows], noise[rows])
-            (out["loss"] * len(rows) / n).backward()
-            for key, value in out.items():
-                sums[key] = sums.get(key, 0.0) + float(value.detach()) * len(rows) / n
-        sums["grad_norm"] = float(clip_grad_norm(self.actor, self.trainable, self.cfg.trainer.max_grad_norm))
-        self.optimizer.step()
-        return sums
+        return update(self, batch, seed, first, total or len(batch))
 
-    @torch.no_grad()
-    def dpo_evaluate(self, x0_chosen, x0_rejected, cond: PromptEmbeds, seed: int) -> Dict[str, float]:
-        sigmas, noise = self.dpo_noise(x0_chosen.shape, seed)
-        return {k: float(v) for k, v in self.dpo_outputs(x0_chosen, x0_rejected, cond, sigmas, noise).items()}
+    def evaluate(self, evaluate: Callable, batch, seed: int) -> Dict[str, float]:
+        """Run an algorithm's `evaluate(worker, batch, seed)` without gradients."""
+        with torch.no_grad():
+            return evaluate(self, batch, seed)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

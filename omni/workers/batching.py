@@ -11,11 +11,6 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
-import torch
-
-from omni.models.sd3 import PromptEmbeds
-from omni.rollout.base import RolloutBatch
-
 
 def split_evenly(n: int, parts: int) -> List[slice]:
     """`parts` contiguous slices of range(n), sizes differing by at most one."""
@@ -28,32 +23,6 @@ def equal_shards(n: int, parts: int) -> List[slice]:
     if n % parts:
         raise ValueError(f"{n} rows do not split into {parts} equal shards")
     return split_evenly(n, parts)
-
-
-def slice_batch(batch: RolloutBatch, rows: slice) -> RolloutBatch:
-    return RolloutBatch(
-        prompts=batch.prompts[rows],
-        images=batch.images[rows],
-        latents=batch.latents[rows],
-        log_probs=batch.log_probs[rows],
-        sigmas=batch.sigmas,
-        cond=batch.cond.apply(lambda t: t[rows]),
-        options=batch.options,
-    )
-
-
-def concat_batches(parts: Sequence[RolloutBatch]) -> RolloutBatch:
-    """One batch from the workers' parts, in worker order."""
-    first = parts[0]
-    return RolloutBatch(
-        prompts=[prompt for p in parts for prompt in p.prompts],
-        images=torch.cat([p.images for p in parts]),
-        latents=torch.cat([p.latents for p in parts]),
-        log_probs=torch.cat([p.log_probs for p in parts]),
-        sigmas=first.sigmas,
-        cond=PromptEmbeds.cat([p.cond for p in parts]),
-        options=first.options,
-    )
 
 
 def mean_metrics(per_worker: Sequence[Dict[str, float]]) -> Dict[str, float]:

@@ -11,11 +11,10 @@ failing with the config keys to change, and the wait for placement is bounded by
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
-from omegaconf import DictConfig
 
-from omni.workers import ResourcesUnavailable
+from omni.workers.errors import ResourcesUnavailable
 
 
 @dataclass
@@ -34,7 +33,7 @@ class WorkerLayout:
         return f"{len(self.workers_per_node)} node(s) x {self.workers_per_node[0]} workers, each worker {each}"
 
 
-def worker_layout(trainer: DictConfig) -> WorkerLayout:
+def worker_layout(trainer: Any) -> WorkerLayout:
     """One worker per GPU on GPU runs (n_gpus_per_node > 0), else n_workers spread over nnodes."""
     if trainer.n_gpus_per_node > 0:
         return WorkerLayout([trainer.n_gpus_per_node] * trainer.nnodes, use_gpu=True)
@@ -81,7 +80,7 @@ def node_groups_that_fit(layout: WorkerLayout, resources: Dict[str, float]) -> i
     return min(int(resources.get(key, 0) // (amount * per_node)) for key, amount in layout.bundle.items())
 
 
-def check_resources(trainer: DictConfig, layout: WorkerLayout) -> None:
+def check_resources(trainer: Any, layout: WorkerLayout) -> None:
     """Fail, naming the keys to change, when the cluster's nodes cannot hold the layout."""
     import ray
 

@@ -1,11 +1,11 @@
 """N actor-rollout workers as a Ray worker group (verl's single controller), driven through
-`ActorRolloutGroup`, a facade with the worker's own method names: `Trainer` and the steps
-run the same code with one in-process worker or with the group.
+`ActorRolloutGroup`, a facade with the worker's own method names: the trainer and the
+algorithms run the same code with one in-process worker or with the group.
 
 Each worker is an `ActorRolloutWorker` (its FSDP shard of the actor, its own rollout engine)
 inside `RayActorRolloutWorker`, a thin verl `Worker`. Rollouts split prompts and seeds over
 the workers and join the parts; updates give every worker an equal shard of the batch and
-its advantages (FSDP averages the gradients); weight sync, checkpoint collection and restore
+the algorithm's update function to run on it (FSDP averages the gradients); weight sync, checkpoint collection and restore
 run on every worker, since collecting from FSDP is collective, and rank 0's whole tensors
 come back. A worker that fails stops the group at once (the others would wait in a
 collective forever): the driver kills the workers and raises `WorkerFailure` naming it.
@@ -13,21 +13,22 @@ collective forever): the driver kills the workers and raises `WorkerFailure` nam
 
 from __future__ import annotations
 
+import copy
 import os
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import ray
 import torch
-from omegaconf import DictConfig, OmegaConf
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, Execute, register
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
-from omni.models.sd3 import PromptEmbeds
+from omni.models.base import Conditioning
 from omni.rollout.base import RolloutBatch, SamplingOptions
-from omni.workers import WorkerFailure, ray_cluster
+import omni.workers.ray_cluster as ray_cluster
+from omni.workers.errors import WorkerFailure
 from omni.workers.actor_rollout import ActorRolloutWorker
-from omni.workers.batching import concat_batches, equal_shards, mean_metrics, slice_batch, split_evenly
+from omni.workers.batching import equal_shards, mean_metrics, split_evenly
 
 # Tests only: "<rank>:<n>" makes that worker's process exit during its n-th update.
 CRASH_HOOK_ENV = "OMNI_TEST_CRASH_WORKER_AT_UPDATE"
@@ -37,10 +38,10 @@ SHUTDOWN_TIMEOUT_S = 60
 class RayActorRolloutWorker(Worker):
     """One `ActorRolloutWorker` in a Ray actor; rank and world size come from verl's group."""
 
-    def __init__(self, cfg: dict, model_path: str):
+    def __init__(self, cfg, model_path: str):
         super().__init__()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # Ray shows each actor its own GPU only
-        self.worker = ActorRolloutWorker(OmegaConf.create(cfg), model_path, self.rank, self.world_size, local_rank)
+        self.worker = ActorRolloutWorker(cfg, model_path, self.rank, self.world_size, local_rank)
         self.updates = 0
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
@@ -52,11 +53,15 @@ class RayActorRolloutWorker(Worker):
         return self.worker.generate(prompts, seeds, options) if prompts else None
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
-    def update(self, batch: RolloutBatch, advantages: torch.Tensor, seed: int, first_sample: int):
+    def train(self, update: Callable, batch, seed: int, first: int, total: int):
         self.updates += 1
         if os.environ.get(CRASH_HOOK_ENV) == f"{self.rank}:{self.updates}":
             os._exit(1)
-        return self.worker.update(batch, advantages, seed, first_sample)
+        return self.worker.train(update, batch, seed, first, total)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def evaluate(self, evaluate: Callable, batch, seed: int):
+        return self.worker.evaluate(evaluate, batch, seed)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def sync_weights(self) -> Dict[str, float]:
@@ -76,44 +81,23 @@ class RayActorRolloutWorker(Worker):
     def load_state(self, lora: Dict[str, torch.Tensor], optimizer_state: dict) -> None:
         self.worker.load_state(lora, optimizer_state)
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
-    def dpo_update(self, x0_chosen, x0_rejected, cond: PromptEmbeds, seed: int, first_pair: int, total_pairs: int):
-        return self.worker.dpo_update(x0_chosen, x0_rejected, cond, seed, first_pair, total_pairs)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def dpo_evaluate(self, x0_chosen, x0_rejected, cond: PromptEmbeds, seed: int):
-        return self.worker.dpo_evaluate(x0_chosen, x0_rejected, cond, seed)
-
     @register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode=Execute.RANK_ZERO, blocking=False)
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        return self.worker.engine.encode_images(images)
+        return self.worker.encode_images(images)
 
     @register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode=Execute.RANK_ZERO, blocking=False)
-    def encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> PromptEmbeds:
-        return self.worker.engine.encode_prompts(prompts, guidance_scale, max_sequence_length)
+    def encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> Conditioning:
+        return self.worker.encode_prompts(prompts, guidance_scale, max_sequence_length)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def shutdown(self) -> None:
         self.worker.shutdown()
 
 
-class RankZeroEngine:
-    """The encoders of rank 0's engine, for steps that encode data once (offline DPO)."""
-
-    def __init__(self, group: "ActorRolloutGroup"):
-        self.group = group
-
-    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        return self.group.call_rank_zero("encode_images", images)
-
-    def encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> PromptEmbeds:
-        return self.group.call_rank_zero("encode_prompts", list(prompts), guidance_scale, max_sequence_length)
-
-
 class ActorRolloutGroup:
     """`trainer.n_workers` workers on Ray, with the methods of one `ActorRolloutWorker`."""
 
-    def __init__(self, cfg: DictConfig, model_path: str):
+    def __init__(self, cfg, model_path: str):
         self.cfg = cfg
         self.workers: RayWorkerGroup | None = None
         self.placement_groups: list = []
@@ -127,14 +111,13 @@ class ActorRolloutGroup:
         except BaseException:
             self.shutdown()
             raise
-        self.engine = RankZeroEngine(self)
 
     def _start_workers(self, layout: ray_cluster.WorkerLayout, model_path: str) -> RayWorkerGroup:
         pool = RayResourcePool(process_on_nodes=layout.workers_per_node, use_gpu=layout.use_gpu, max_colocate_count=1)
         pool.pgs = self.placement_groups  # reserved with a timeout: verl's own wait has none
-        cfg = OmegaConf.to_container(self.cfg)
+        cfg = copy.deepcopy(self.cfg)
         if not layout.use_gpu:
-            cfg["trainer"]["device"] = "cpu"  # "auto" must not pick a GPU that Ray did not reserve
+            cfg.trainer.device = "cpu"  # "auto" must not pick a GPU that Ray did not reserve
         worker_class = RayClassWithInitArgs(ray.remote(RayActorRolloutWorker), cfg, model_path)
         crash_hook = {CRASH_HOOK_ENV: os.environ[CRASH_HOOK_ENV]} if CRASH_HOOK_ENV in os.environ else {}
         device = "cuda" if layout.use_gpu else "cpu"
@@ -171,15 +154,33 @@ class ActorRolloutGroup:
         futures = self.workers.generate(
             [list(prompts[p]) for p in parts], [list(seeds[p]) for p in parts], [options] * self.world_size
         )
-        return concat_batches([b for b in self._gather("generate", futures) if b is not None])
+        return RolloutBatch.cat([b for b in self._gather("generate", futures) if b is not None])
 
-    def update(self, batch: RolloutBatch, advantages: torch.Tensor, seed: int) -> Dict[str, float]:
-        shards = equal_shards(len(batch), self.world_size)
-        futures = self.workers.update(
-            [slice_batch(batch, s) for s in shards], [advantages[s] for s in shards],
-            [seed] * self.world_size, [s.start for s in shards],
-        )  # fmt: skip
-        return mean_metrics(self._gather("update", futures))
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        return self.call_rank_zero("encode_images", images)
+
+    def encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> Conditioning:
+        return self.call_rank_zero("encode_prompts", list(prompts), guidance_scale, max_sequence_length)
+
+    def train(self, update: Callable, batch, seed: int) -> Dict[str, float]:
+        """Each worker runs `update` on an equal shard of the batch. Rows past the last
+        multiple of the worker count (online DPO's pair count varies) sit this update out
+        and are counted in `rows_unused`."""
+        used = len(batch) - len(batch) % self.world_size
+        metrics: Dict[str, float] = {}
+        if used:
+            shards = equal_shards(used, self.world_size)
+            futures = self.workers.train(
+                [update] * self.world_size, [batch.select(s) for s in shards],
+                [seed] * self.world_size, [s.start for s in shards], [used] * self.world_size,
+            )  # fmt: skip
+            metrics = mean_metrics(self._gather("train", futures))
+        if used < len(batch):
+            metrics["rows_unused"] = float(len(batch) - used)
+        return metrics
+
+    def evaluate(self, evaluate: Callable, batch, seed: int) -> Dict[str, float]:
+        return self._gather("evaluate", self.workers.evaluate(evaluate, batch, seed))[0]
 
     def sync_weights(self) -> Dict[str, float]:
         per_worker = self._gather("sync_weights", self.workers.sync_weights())
@@ -194,25 +195,6 @@ class ActorRolloutGroup:
     def load_state(self, lora: Dict[str, torch.Tensor], optimizer_state: dict) -> None:
         # one copy in the object store for all workers
         self._gather("load_state", self.workers.load_state(ray.put(lora), ray.put(optimizer_state)))
-
-    def dpo_update(self, x0_chosen, x0_rejected, cond: PromptEmbeds, seed: int) -> Dict[str, float]:
-        """Equal shards of the pairs; pairs past the last multiple of the worker count (online
-        DPO's count varies) sit this update out and are counted in `pairs_unused`."""
-        used = len(x0_chosen) - len(x0_chosen) % self.world_size
-        metrics: Dict[str, float] = {}
-        if used:
-            shards = equal_shards(used, self.world_size)
-            futures = self.workers.dpo_update(
-                [x0_chosen[s] for s in shards], [x0_rejected[s] for s in shards], [cond.apply(lambda t, s=s: t[s]) for s in shards],
-                [seed] * self.world_size, [s.start for s in shards], [used] * self.world_size,
-            )  # fmt: skip
-            metrics = mean_metrics(self._gather("dpo_update", futures))
-        if used < len(x0_chosen):
-            metrics["pairs_unused"] = float(len(x0_chosen) - used)
-        return metrics
-
-    def dpo_evaluate(self, x0_chosen, x0_rejected, cond: PromptEmbeds, seed: int) -> Dict[str, float]:
-        return self._gather("dpo_evaluate", self.workers.dpo_evaluate(x0_chosen, x0_rejected, cond, seed))[0]
 
     # ----------------------------------------------------------------- shutdown
     def _kill_workers(self) -> None:

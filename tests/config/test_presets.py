@@ -18,11 +18,14 @@ def options(group):
 
 @pytest.mark.parametrize("name", options("experiment"))
 def test_experiment_composes_and_validates(name, tiny_cache, tmp_path):
-    from omni.models.sd3 import tiny_sd3_path
+    from omni.models import get_family
 
-    # a preset for the real SD3 needs a checkpoint: the tiny one has the same layout
-    overrides = [f"experiment={name}", f"model.cache_dir={tiny_cache}", f"model.path={tiny_sd3_path(tiny_cache)}"]
-    resolved = validate(compose_config(overrides, tmp_path))
+    overrides = [f"experiment={name}", f"model.cache_dir={tiny_cache}"]
+    cfg = compose_config(overrides, tmp_path)
+    if cfg.model.tiny_seed is None:
+        # a preset for a real model needs a checkpoint: its family's tiny one has the same layout
+        cfg = compose_config(overrides + [f"model.path={get_family(cfg.model.family).tiny_path(tiny_cache, 0)}"], tmp_path)
+    resolved = validate(cfg)
     assert resolved.trainer.batch_size % resolved.trainer.n_workers == 0
 
 

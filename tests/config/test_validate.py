@@ -14,15 +14,27 @@ BAD = [
     (["model.fsdp.layer_prefixes=[single_transformer_blocks.]"], "model.fsdp.layer_prefixes"),
     (["model.fsdp.layer_prefixes=[]"], "model.fsdp.layer_prefixes"),
     (["model.fsdp.version=3"], "model.fsdp.version"),
-    (["model.dtype=float64"], "model.dtype"),
     (["model.lora.adapter_name="], "model.lora.adapter_name"),
-    (["+reward.weights.aesthetics=1.0"], "reward.weights"),
-    (["~reward.weights.brightness"], "reward.weights"),
-    (["rollout.engine=sglang"], "rollout.engine"),
+    (["+reward.components.aesthetics={}"], "reward.components=aesthetics"),
+    (["~reward.components.brightness"], "reward.components"),
+    (["reward.components.brightness.weight=0"], "reward.components"),
+    (["+reward.components.color={qualty: 3}"], "reward.components.color"),
     (["rollout.num_steps=1"], "rollout.num_steps"),
     (["algorithm=flow_grpo_fast", "algorithm.sde_window_size=20"], "algorithm.sde_window_size"),
     (["algorithm=flow_grpo_fast", "algorithm.sde_window_range=[7,9]"], "algorithm.sde_window_range"),
-    (["logger.backends=[console,mlflow]"], "logger.backends"),
+    (["trainer.lr=0"], "trainer.lr"),
+    (["trainer.batch_size=0"], "trainer.batch_size"),
+    (["trainer.max_grad_norm=-1"], "trainer.max_grad_norm"),
+    (["trainer.eval_images_per_prompt=0"], "trainer.eval_images_per_prompt"),
+    (["algorithm.num_minibatches=0"], "algorithm.num_minibatches"),
+    (["algorithm.num_minibatches=11"], "algorithm.num_minibatches"),
+    (["algorithm=flow_grpo_fast", "algorithm.num_minibatches=3"], "algorithm.num_minibatches"),
+    (["algorithm.clip_range=0"], "algorithm.clip_range"),
+    (["algorithm=online_dpo", "algorithm.beta=0"], "algorithm.beta"),
+    (["algorithm.name=ppo"], "algorithm.name=ppo"),
+    (["model.family=sd4"], "model.family=sd4"),
+    (["rollout.guidance_scale=-1"], "rollout.guidance_scale"),
+    (["model.path=/ckpt/sd3"], "model.path"),
     (["trainer.resume=/nonexistent/ckpt"], "trainer.resume"),
     (["data.train=/nonexistent/prompts.txt"], "data.train"),
     (["data.eval=omni:no_such_set"], "data.eval"),
@@ -33,6 +45,27 @@ BAD = [
     (["trainer.ray_address=auto"], "trainer.ray_address"),
     (["trainer.n_workers=2", "model.fsdp.version=0"], "model.fsdp.version=0"),
 ]
+
+
+# closed sets and types are checked by the schema when Hydra composes
+BAD_AT_COMPOSITION = [
+    (["model.dtype=float64"], "model.dtype"),
+    (["rollout.engine=sglang"], "rollout.engine"),
+    (["logger.backends=[console,mlflow]"], "logger.backends"),
+    (["algorithm=dpo", "algorithm.sigma_sampling=normal"], "algorithm.sigma_sampling"),
+    (["rollout.options.url=http://x"], "options"),
+    (["reward.components.brightness.quality=3"], "quality"),
+    (["reward=multi", "reward.components.jpeg_compressibility.quality=high"], "reward.components.jpeg_compressibility.quality"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", BAD_AT_COMPOSITION, ids=[k for _, k in BAD_AT_COMPOSITION])
+def test_bad_value_of_a_closed_set_fails_composition(overrides, key):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config(overrides)
+    assert key in str(info.value.__cause__ or info.value)
 
 
 @pytest.mark.parametrize("overrides,key", BAD, ids=[k for _, k in BAD])
@@ -63,6 +96,20 @@ def test_real_model_with_missing_dir_names_it(tmp_path):
 def test_mandatory_real_model_path_is_reported():
     with pytest.raises(Exception, match="model.path"):
         validate(compose_config(["model=sd3"]))
+
+
+def test_validated_config_is_typed(tiny_cache):
+    from omni.config import TrainConfig
+    from omni.config.model import DType
+    from omni.rewards.jpeg_compressibility import JpegOptions
+
+    cfg = validate(compose_config([f"model.cache_dir={tiny_cache}", "reward=multi", "reward.components.jpeg_compressibility.quality=80"]))
+    assert isinstance(cfg, TrainConfig) and cfg.model.dtype is DType.auto
+    assert isinstance(cfg.reward.components["jpeg_compressibility"], JpegOptions)
+    assert cfg.reward.components["jpeg_compressibility"].quality == 80
+    with pytest.raises(Exception):
+        cfg.trainer.no_such_key  # a dataclass, not a dict: a misspelt key is an error
+    assert list(cfg.model.lora.target_modules) == ["to_q", "to_k", "to_v", "to_out.0"]  # the family's default
 
 
 def test_validation_builds_no_model(tmp_path, monkeypatch):

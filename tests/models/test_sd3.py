@@ -4,7 +4,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from omni.models.sd3 import check_pretrained_dir, load_sd3_pipeline, tiny_sd3_path, write_tiny_sd3
+from omni.models import get_family
+from omni.models.sd3 import FAMILY, tiny_sd3_path, write_tiny_sd3
 
 COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 
@@ -33,7 +34,7 @@ def test_cache_is_reused(tiny_cache, tiny_sd3_dir):
 
 
 def test_loaded_pipeline_generates_64px(tiny_sd3_dir):
-    pipe = load_sd3_pipeline(tiny_sd3_dir)
+    pipe = FAMILY.load_pipeline(tiny_sd3_dir, torch.float32)
     out = pipe(
         ["a red cat", "a blue dog"], num_inference_steps=3, height=64, width=64, guidance_scale=2.0,
         max_sequence_length=16, generator=torch.Generator().manual_seed(0), output_type="pt",
@@ -43,7 +44,7 @@ def test_loaded_pipeline_generates_64px(tiny_sd3_dir):
 
 
 def test_tokenizers_keep_eos_distinct_from_unknown_text(tiny_sd3_dir):
-    pipe = load_sd3_pipeline(tiny_sd3_dir)
+    pipe = FAMILY.load_pipeline(tiny_sd3_dir, torch.float32)
     ids = pipe.tokenizer("a red zebra!").input_ids
     # CLIP pools at the first eos: unseen words must not be encoded as eos
     assert ids.count(pipe.tokenizer.eos_token_id) == 1 and ids[-1] == pipe.tokenizer.eos_token_id
@@ -51,6 +52,30 @@ def test_tokenizers_keep_eos_distinct_from_unknown_text(tiny_sd3_dir):
 
 def test_missing_checkpoint_says_what_to_pass(tmp_path):
     with pytest.raises(FileNotFoundError, match="model.path=.*model_index.json"):
-        check_pretrained_dir(str(tmp_path))
+        FAMILY.check_path(str(tmp_path))
     with pytest.raises(ValueError, match="pass model.path="):
-        check_pretrained_dir(None)
+        FAMILY.check_path(None)
+
+
+def test_family_is_found_by_its_config_name():
+    assert get_family("sd3") is FAMILY
+    with pytest.raises(KeyError, match="model.family=sd4.*available.*sd3"):
+        get_family("sd4")
+
+
+def test_tiny_resolution_multiple_matches_the_built_model(tiny_sd3_dir):
+    assert FAMILY.tiny_resolution_multiple() == FAMILY.resolution_multiple(tiny_sd3_dir)
+
+
+def test_two_builds_in_separate_processes_are_identical_files(tmp_path):
+    """Every file, tokenizers included: a seed fixes the whole checkpoint on any machine."""
+    import subprocess
+    import sys
+
+    for name in ("a", "b"):
+        code = f"from omni.models.sd3 import write_tiny_sd3; write_tiny_sd3({str(tmp_path / name)!r}, 0)"
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    assert files and files == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
+    for f in files:
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f

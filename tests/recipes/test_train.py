@@ -65,11 +65,11 @@ def test_logs_are_written(four_steps):
 
 def test_exported_lora_loads_in_diffusers(four_steps, tiny_sd3_dir):
     from omni.config.model import LoraConfig
-    from omni.models.sd3 import load_sd3_pipeline
+    from omni.models.sd3 import FAMILY
     from omni.weights import add_lora_adapter, load_lora_weights
 
     checkpoint = four_steps / "checkpoints" / "step_000004"
-    pipe = load_sd3_pipeline(tiny_sd3_dir)
+    pipe = FAMILY.load_pipeline(tiny_sd3_dir, torch.float32)
     generator = torch.Generator().manual_seed(0)
     inputs = dict(
         hidden_states=torch.randn(2, 4, 8, 8, generator=generator),
@@ -83,8 +83,8 @@ def test_exported_lora_loads_in_diffusers(four_steps, tiny_sd3_dir):
         pipe.load_lora_weights(str(checkpoint))
         loaded = pipe.transformer(**inputs)[0]
         # the same tensors in the actor's own format, with the run's LoRA config
-        reference = load_sd3_pipeline(tiny_sd3_dir).transformer
-        add_lora_adapter(reference, LoraConfig())
+        reference = FAMILY.load_transformer(tiny_sd3_dir, torch.float32)
+        add_lora_adapter(reference, LoraConfig(target_modules=list(FAMILY.lora_targets)))
         peft_names = {k.removeprefix("transformer."): v for k, v in final_lora(four_steps, 4).items()}
         load_lora_weights(reference, peft_names, "default")
         expected = reference(**inputs)[0]
@@ -95,7 +95,7 @@ def test_exported_lora_loads_in_diffusers(four_steps, tiny_sd3_dir):
 BAD_INPUT = {
     "group size": (["algorithm.group_size=5"], "algorithm.group_size"),
     "resolution": (["rollout.resolution=40"], "rollout.resolution"),
-    "reward": (["+reward.weights.aesthetic=1"], "unknown reward"),
+    "reward": (["+reward.components.aesthetic={}"], "reward.components=aesthetic: no such reward"),
     "missing prompts": (["data.train=/nonexistent/prompts.txt"], "data.train=/nonexistent/prompts.txt"),
 }
 

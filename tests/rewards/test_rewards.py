@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from omni.rewards import WeightedReward, check_reward_names
+from omni.rewards import REWARDS, WeightedReward, reward_options
 from omni.rewards.brightness import brightness
 from omni.rewards.color import color
-from omni.rewards.jpeg import jpeg_compressibility
+from omni.rewards.jpeg_compressibility import JpegOptions, jpeg_compressibility
 
 
 def test_brightness_orders_images():
@@ -34,10 +34,40 @@ def test_jpeg_prefers_flat_images():
 def test_weighted_sum_and_chunks():
     images = torch.rand(5, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     prompts = ["a red cat"] * 5
-    scores = WeightedReward({"brightness": 2.0, "color": -1.0}, batch_size=2)(images, prompts)
+    reward = WeightedReward({"brightness": {"weight": 2.0}, "color": {"weight": -1.0, "batch_size": 3}}, batch_size=2)
+    scores = reward(images, prompts)
     assert torch.allclose(scores["reward"], 2 * brightness(images, prompts) - color(images, prompts))
+    assert torch.equal(scores["color"], color(images, prompts)) and set(scores) == {"reward", "brightness", "color"}
+
+
+def test_component_options_are_typed():
+    options = reward_options("jpeg_compressibility", {"weight": 0.5, "quality": 50})
+    assert isinstance(options, JpegOptions) and options.quality == 50
+    noisy = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    low, high = (WeightedReward({"jpeg_compressibility": {"quality": q}})(noisy, [""])["reward"] for q in (30, 95))
+    assert low > high  # the option reaches the scorer: a lower quality makes a smaller file
+    with pytest.raises(ValueError, match="reward.components.jpeg_compressibility.*qualty"):
+        reward_options("jpeg_compressibility", {"qualty": 50})
 
 
 def test_unknown_reward_lists_the_available():
-    with pytest.raises(ValueError, match="unknown reward.*'aesthetic'.*available"):
-        check_reward_names({"aesthetic": 1.0})
+    with pytest.raises(KeyError, match="reward.components=aesthetic.*available.*brightness"):
+        reward_options("aesthetic", {})
+    assert {"brightness", "color", "jpeg_compressibility"} <= set(REWARDS.names())
+
+
+def test_setup_and_teardown_reach_each_component():
+    calls = []
+
+    class Probe(REWARDS.get("brightness")):
+        def setup(self):
+            calls.append(("setup", self.name))
+
+        def teardown(self):
+            calls.append(("teardown", self.name))
+
+    reward = WeightedReward({"brightness": {}})
+    reward.rewards["brightness"] = Probe("brightness", reward.rewards["brightness"].options)
+    reward.setup()
+    reward.teardown()
+    assert calls == [("setup", "brightness"), ("teardown", "brightness")]

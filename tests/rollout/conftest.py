@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from omni.config.model import LoraConfig
+from omni.models.sd3 import FAMILY
 from omni.rollout.base import SamplingOptions
 
-LORA = LoraConfig(rank=4, alpha=8.0)
+LORA = LoraConfig(rank=4, alpha=8.0, target_modules=list(FAMILY.lora_targets))
 
 
 def options(**overrides) -> SamplingOptions:
@@ -34,11 +35,11 @@ def random_lora(transformer, seed: int = 0, lora: LoraConfig = LORA):
 
 def od_config(model_path, load_base: bool = True, dtype=torch.float32):
     """The fields of vLLM-Omni's OmniDiffusionConfig our pipeline reads."""
-    return SimpleNamespace(model=str(model_path), dtype=dtype, custom_pipeline_args={"load_base": load_base})
+    return SimpleNamespace(model=str(model_path), dtype=dtype, custom_pipeline_args={"family": "sd3", "load_base": load_base})
 
 
 @pytest.fixture
 def diffusers_engine(tiny_sd3_dir):
     from omni.rollout.diffusers_engine import load_diffusers_engine
 
-    return load_diffusers_engine(tiny_sd3_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=True)
+    return load_diffusers_engine(FAMILY, tiny_sd3_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=True)

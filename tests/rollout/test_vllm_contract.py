@@ -16,7 +16,7 @@ from vllm_omni.diffusion.request import OmniDiffusionRequest  # noqa: E402
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch  # noqa: E402
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams  # noqa: E402
 
-from omni.rollout.vllm_pipeline import FlowGRPOSD3Pipeline  # noqa: E402
+from omni.rollout.vllm_pipeline import FlowGRPOPipeline  # noqa: E402
 from omni.rollout.vllm_protocol import (  # noqa: E402
     emulate_request_output,
     options_from_sampling_params,
@@ -67,7 +67,7 @@ def test_pipeline_answers_a_real_batch_through_the_real_formatter(tiny_sd3_dir):
     from vllm_omni.diffusion.models.sd3.pipeline_sd3 import get_sd3_image_post_process_func
 
     post_process = get_sd3_image_post_process_func(SimpleNamespace(output_type="latent", model=str(tiny_sd3_dir)))
-    pipeline = FlowGRPOSD3Pipeline(od_config=od_config(tiny_sd3_dir))
+    pipeline = FlowGRPOPipeline(od_config=od_config(tiny_sd3_dir))
     requests = real_requests(["a red cat", "a blue dog"], [1, 2], OPTIONS)
     batch = DiffusionRequestBatch(requests=requests)
     outputs = pipeline.forward(batch)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from omni.config.rollout import VllmOptions
+from omni.models.sd3 import FAMILY
 from omni.rollout.transport import get_json
 from omni.rollout.vllm_engine import VllmEngine
 from omni.weights import plain_base_names
@@ -36,7 +37,7 @@ def assert_same_rollout(got, expected):
 
 def test_real_engine_samples_log_probs_and_takes_a_lora(tiny_sd3_dir, diffusers_engine, tmp_path):
     start = time.perf_counter()
-    engine = VllmEngine.start(VllmOptions(python=PYTHON, startup_timeout=900), tiny_sd3_dir, torch.device("cpu"), torch.float32, 4, False, tmp_path)
+    engine = VllmEngine.start(FAMILY, VllmOptions(python=PYTHON, startup_timeout=900), tiny_sd3_dir, torch.device("cpu"), torch.float32, 4, False, tmp_path)
     print(f"engine started in {time.perf_counter() - start:.1f} s")
     try:
         assert get_json(engine.url, "health", 10)["backend"] == "vllm" and not engine.has_base

@@ -11,7 +11,8 @@ import torch
 
 from omni.config.rollout import VllmOptions
 from omni.config.validate import ConfigError, validate
-from omni.models.sd3 import build_tiny_transformer
+from omni.algorithms import flow_grpo
+from omni.models.sd3 import FAMILY, build_tiny_transformer
 from omni.rollout.transport import get_json
 from omni.rollout.vllm_engine import VllmEngine, engine_unavailable, vllm_options
 from omni.weights import plain_base_names
@@ -60,7 +61,7 @@ def test_an_env_without_vllm_omni_is_refused(no_engine_env):
 def started_engine(tiny_sd3_dir, tmp_path_factory):
     """An engine process started without base weights, as rollout.load_base=false does."""
     run_dir = tmp_path_factory.mktemp("run")
-    engine = VllmEngine.start(VllmOptions(backend="local", startup_timeout=300), tiny_sd3_dir, torch.device("cpu"), torch.float32, 2, False, run_dir)
+    engine = VllmEngine.start(FAMILY, VllmOptions(backend="local", startup_timeout=300), tiny_sd3_dir, torch.device("cpu"), torch.float32, 2, False, run_dir)
     yield engine
     engine.shutdown()
 
@@ -94,7 +95,7 @@ def test_engine_process_matches_diffusers_engine_across_syncs(started_engine, di
 
 
 def test_attached_engine_keeps_running_after_the_run(started_engine):
-    attached = VllmEngine.start(VllmOptions(url=started_engine.url), "unused", torch.device("cpu"), torch.float32, 2, True, started_engine.shared_dir)
+    attached = VllmEngine.start(FAMILY, VllmOptions(url=started_engine.url), "unused", torch.device("cpu"), torch.float32, 2, True, started_engine.shared_dir)
     attached.shutdown()
     assert get_json(started_engine.url, "health", 10)["ok"]
 
@@ -105,7 +106,7 @@ def test_engine_error_reaches_the_driver(started_engine):
 
 
 def test_shutdown_stops_the_engine_process(tiny_sd3_dir, tmp_path):
-    engine = VllmEngine.start(VllmOptions(backend="local", startup_timeout=300), tiny_sd3_dir, torch.device("cpu"), torch.float32, 2, True, tmp_path)
+    engine = VllmEngine.start(FAMILY, VllmOptions(backend="local", startup_timeout=300), tiny_sd3_dir, torch.device("cpu"), torch.float32, 2, True, tmp_path)
     process = engine.process
     assert engine.has_base and process.poll() is None
     engine.shutdown()
@@ -115,7 +116,7 @@ def test_shutdown_stops_the_engine_process(tiny_sd3_dir, tmp_path):
 
 def test_engine_that_dies_at_start_shows_its_log(tmp_path):
     with pytest.raises(RuntimeError, match="exited with code") as info:
-        VllmEngine.start(VllmOptions(backend="local", startup_timeout=120), tmp_path / "no-model", torch.device("cpu"), torch.float32, 2, True, tmp_path)
+        VllmEngine.start(FAMILY, VllmOptions(backend="local", startup_timeout=120), tmp_path / "no-model", torch.device("cpu"), torch.float32, 2, True, tmp_path)
     assert "no-model" in str(info.value)
 
 
@@ -151,7 +152,7 @@ def test_worker_syncs_into_the_engine_process_and_rescores_exactly(overrides, sy
         batch = worker.generate(PROMPTS, SEEDS, opts)
         samples, rows = torch.arange(len(batch)).repeat_interleave(steps), torch.arange(steps).repeat(len(batch))
         with torch.no_grad():
-            actor, _ = worker.score_rows(batch, samples, rows, with_reference=False)
+            actor, _ = flow_grpo.score_transitions(worker, batch, samples, rows, with_reference=False)
         assert (actor - batch.log_probs[samples, rows]).abs().max() <= 1e-5
     finally:
         worker.shutdown()

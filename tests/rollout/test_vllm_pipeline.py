@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from omni.models.sd3 import build_tiny_transformer
+from omni.models.sd3 import FAMILY, build_tiny_transformer
 from omni.rollout import transport
-from omni.rollout.vllm_pipeline import FlowGRPOSD3Pipeline
+from omni.rollout.vllm_pipeline import FlowGRPOPipeline
 from omni.rollout.vllm_protocol import (
     collate_results,
     emulate_request_output,
@@ -38,7 +38,7 @@ def request_batch(prompts, seeds, opts):
 
 def sample_through_pipeline(pipeline, prompts, seeds, opts):
     fields = pipeline.forward_fields(request_batch(prompts, seeds, opts))
-    return collate_results(prompts, [result_from_output(emulate_request_output(f)) for f in fields], opts)
+    return collate_results(prompts, [result_from_output(emulate_request_output(f)) for f in fields], opts, FAMILY.conditioning)
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +52,10 @@ def synced(tiny_sd3_dir, tmp_path_factory):
     trained = build_tiny_transformer(seed=5)
     base = {k: v.detach() for k, v in plain_base_names(trained).items()}
     lora = random_lora(trained, seed=1)
-    engine = load_diffusers_engine(tiny_sd3_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=False)
+    engine = load_diffusers_engine(FAMILY, tiny_sd3_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=False)
     engine.update_weights(base, base_sync_done=False, lora=None)
     engine.update_weights(lora, base_sync_done=True, lora=LORA)
-    pipeline = FlowGRPOSD3Pipeline(od_config=od_config(tiny_sd3_dir, load_base=False))
+    pipeline = FlowGRPOPipeline(od_config=od_config(tiny_sd3_dir, load_base=False))
     pipeline.sync_weights_from(transport.write_base_weights(shared, "base", base))
     pipeline.sync_weights_from(transport.write_lora_adapter(shared, "lora", lora, LORA))
     return engine, pipeline
@@ -114,7 +114,7 @@ def test_request_round_trips_the_options():
 
 def test_warm_up_request_without_our_options_samples_ode(tiny_sd3_dir):
     """vLLM-Omni's start-up warm-up sends a bare request (2 steps, 512 px, no CFG)."""
-    pipeline = FlowGRPOSD3Pipeline(od_config=od_config(tiny_sd3_dir))
+    pipeline = FlowGRPOPipeline(od_config=od_config(tiny_sd3_dir))
     warm_up = SimpleNamespace(
         prompts=[{"prompt": "dummy run"}],
         sampling_params_list=[
@@ -126,7 +126,7 @@ def test_warm_up_request_without_our_options_samples_ode(tiny_sd3_dir):
 
 
 def test_pipeline_refuses_checkpoint_weights_from_the_loader(tiny_sd3_dir):
-    pipeline = FlowGRPOSD3Pipeline(od_config=od_config(tiny_sd3_dir))
+    pipeline = FlowGRPOPipeline(od_config=od_config(tiny_sd3_dir))
     assert pipeline.load_weights(iter(())) is None  # what vLLM-Omni's loader passes at start
     with pytest.raises(ValueError, match="sync_weights_from"):
         pipeline.load_weights(iter([("transformer.x", torch.zeros(1))]))

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from omni.models.sd3 import build_tiny_transformer
 from omni.rollout import transport
-from omni.rollout.vllm_pipeline import FlowGRPOSD3Pipeline
+from omni.rollout.vllm_pipeline import FlowGRPOPipeline
 from omni.weights import lora_tensors, plain_base_names
 from tests.rollout.conftest import LORA, od_config, random_lora
 
@@ -74,7 +74,7 @@ def test_tensors_sharing_storage_are_written_separately(tmp_path):
 
 def test_engine_pipeline_loads_synced_weights_bit_exact(tiny_sd3_dir, tmp_path):
     """The receiving side: a pipeline started without base weights gets them, then a LoRA."""
-    pipeline = FlowGRPOSD3Pipeline(od_config=od_config(tiny_sd3_dir, load_base=False))
+    pipeline = FlowGRPOPipeline(od_config=od_config(tiny_sd3_dir, load_base=False))
     assert not pipeline.has_base
     trained = build_tiny_transformer(seed=7)
     base = {k: v.detach() for k, v in plain_base_names(trained).items()}

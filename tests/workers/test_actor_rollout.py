@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from omni.algorithms import flow_grpo
 from omni.config.validate import validate
-from omni.trainer import Trainer
-from tests.conftest import compose_config
+from tests.conftest import compose_config, training_options
 
 
 def make_worker(tiny_cache, tmp_path, *overrides):
@@ -26,9 +26,7 @@ def randomise_lora(worker, seed=0):
 
 
 def rollout(cfg, worker, step=0, n=4):
-    trainer = Trainer.__new__(Trainer)
-    trainer.cfg = cfg
-    options = trainer.sampling_options(step)
+    options = training_options(cfg, step)
     prompts = ["a red cat", "a blue dog"] * (n // 2)
     return worker.generate(prompts, list(range(n)), options)
 
@@ -38,7 +36,7 @@ def rescore(worker, batch):
     samples = torch.arange(len(batch)).repeat_interleave(stop - start)
     steps = torch.arange(start, stop).repeat(len(batch))
     with torch.no_grad():
-        log_prob, kl = worker.score_rows(batch, samples, steps, with_reference=True)
+        log_prob, kl = flow_grpo.score_transitions(worker, batch, samples, steps, with_reference=True)
     return log_prob, batch.log_probs[samples, steps], kl
 
 
@@ -91,7 +89,7 @@ def test_update_changes_only_lora(tiny_cache, tmp_path):
     lora = {n: p.detach().clone() for n, p in worker.actor.named_parameters() if p.requires_grad}
     batch = rollout(cfg, worker, n=8)
     advantages = torch.linspace(-1, 1, len(batch))
-    metrics = worker.update(batch, advantages, seed=0)
+    metrics = worker.train(flow_grpo.update, flow_grpo.GRPOBatch(batch, advantages), seed=0)
     assert metrics["grad_norm"] > 0 and 0 <= metrics["clip_fraction"] <= 1
     now = dict(worker.actor.named_parameters())
     assert all(torch.equal(now[n], p) for n, p in frozen.items())

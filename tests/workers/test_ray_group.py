@@ -18,8 +18,9 @@ import torch
 from omni.algorithms import flow_grpo
 from omni.config.validate import validate
 from omni.distributed import free_port
-from omni.trainer import model_path, step_seeds
-from tests.conftest import compose_config
+from omni.context import step_seeds
+from omni.trainer import model_path
+from tests.conftest import compose_config, training_options
 from tests.recipes.test_train import final_lora, train
 
 SMALL = ["trainer.batch_size=8", "algorithm.group_size=4", "trainer.micro_batch_size=4", "trainer.eval_images_per_prompt=1"]
@@ -33,11 +34,7 @@ def build(n_workers, tiny_cache, tmp_path):
 
 
 def sampling(cfg, step):
-    from omni.trainer import Trainer
-
-    trainer = Trainer.__new__(Trainer)
-    trainer.cfg = cfg
-    return trainer.sampling_options(step)
+    return training_options(cfg, step)
 
 
 def max_difference(a: dict, b: dict) -> float:
@@ -55,7 +52,7 @@ def test_two_workers_match_one_worker(tiny_cache, tmp_path):
     batch = one.generate(prompts, seeds, sampling(cfg, 0))
     advantages = flow_grpo.group_advantages(torch.linspace(0, 1, len(prompts)) ** 2, 4, False)
     initial_lora = one.lora_state_dict()
-    one_metrics = one.update(batch, advantages, seed=7)
+    one_metrics = one.train(flow_grpo.update, flow_grpo.GRPOBatch(batch, advantages), seed=7)
     one_lora = one.lora_state_dict()
     one.sync_weights()
     one_after = one.generate(prompts, seeds, sampling(cfg, 1))
@@ -65,7 +62,7 @@ def test_two_workers_match_one_worker(tiny_cache, tmp_path):
     try:
         assert max_difference(two.lora_state_dict(), initial_lora) == 0
         two_batch = two.generate(prompts, seeds, sampling(cfg, 0))
-        two_metrics = two.update(batch, advantages, seed=7)
+        two_metrics = two.train(flow_grpo.update, flow_grpo.GRPOBatch(batch, advantages), seed=7)
         two_lora = two.lora_state_dict()
         two.sync_weights()
         two_after = two.generate(prompts, seeds, sampling(cfg, 1))

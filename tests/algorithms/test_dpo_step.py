@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from omni.config.validate import validate
-from omni.steps.dpo import best_and_worst, split_pairs
+from omni.algorithms.dpo import split_pairs
+from omni.algorithms.online_dpo import best_and_worst
 from omni.trainer import Trainer
 from tests.conftest import compose_config
 
@@ -25,17 +26,17 @@ def offline_trainer(tiny_cache, synthetic_pairs, tmp_path):
 
 
 def test_loss_is_log2_at_init(offline_trainer):
-    metrics = offline_trainer.step_fn.evaluate()
+    metrics = offline_trainer.algorithm.evaluate()
     assert abs(metrics["eval/loss"] - math.log(2)) < 1e-6
     assert metrics["eval/reward_margin"] == 0
 
 
 def test_a_few_steps_beat_chance_on_held_out_pairs(offline_trainer):
-    step_fn = offline_trainer.step_fn
-    assert len(step_fn.eval_pairs) >= 8
+    algorithm = offline_trainer.algorithm
+    assert len(algorithm.eval_pairs) >= 8
     for step in range(6):
-        step_fn(step)
-    metrics = step_fn.evaluate()
+        algorithm.step(step)
+    metrics = algorithm.evaluate()
     assert metrics["eval/implicit_accuracy"] > 0.5
     assert metrics["eval/loss"] < math.log(2)
 

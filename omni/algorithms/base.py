@@ -1,0 +1,66 @@
+"""What an algorithm is, and the grouped rollout the online ones share.
+
+An algorithm lives in `omni/algorithms/<name>.py` (`algorithm.name`) and defines
+`ALGORITHM`, an `Algorithm` subclass. The driver side: `check_config` (cross-group rules,
+before any model loads), the constructor (reads its data, before any model loads), `setup`
+(once the worker exists), `step` (one training step -> metrics) and `evaluate` (held-out
+metrics of its own). The worker side: module-level functions `update(worker, batch, seed,
+first, total)` that the worker runs on its shard of a batch with its primitives (velocity
+under the policy or the reference, backward, optimizer step); a Ray group ships the
+function to every worker, so adding an algorithm adds no worker method.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+import torch
+
+from omni.context import StepContext, means, step_seeds
+from omni.data.prompts import items_for_step
+from omni.rollout.base import RolloutBatch
+
+
+class Algorithm:
+    def __init__(self, ctx: StepContext):
+        self.ctx, self.cfg = ctx, ctx.cfg
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Raise omni.config.errors.ConfigError naming the keys of a rule this config breaks."""
+
+    def setup(self) -> None:
+        """Work that needs the worker (e.g. encoding a data set once)."""
+
+    def step(self, step: int) -> Dict[str, float]:
+        raise NotImplementedError
+
+    def evaluate(self) -> Dict[str, float]:
+        """Held-out metrics beyond the reward (e.g. DPO's implicit accuracy)."""
+        return {}
+
+
+@dataclass
+class ScoredRollout:
+    prompts: List[str]
+    batch: RolloutBatch
+    scores: Dict[str, torch.Tensor]  # "reward" and each named component, one per image
+    timings: Dict[str, float] = field(default_factory=dict)
+
+    def reward_metrics(self) -> Dict[str, float]:
+        return {**means(self.scores, "reward/"), "reward/std": float(self.scores["reward"].std())}
+
+
+def grouped_rollout(ctx: StepContext, step: int, group_size: int, sde_steps: Tuple[int, int]) -> ScoredRollout:
+    """Step `step`'s prompts, each sampled `group_size` times with the current policy, scored."""
+    cfg = ctx.cfg
+    tick = time.perf_counter()
+    prompts = items_for_step(ctx.train_prompts, step, cfg.trainer.batch_size // group_size, cfg.seed)
+    prompts = [p for p in prompts for _ in range(group_size)]
+    batch = ctx.worker.generate(prompts, step_seeds(cfg.seed, step, len(prompts)), ctx.sampling_options(sde_steps))
+    rollout_s, tick = time.perf_counter() - tick, time.perf_counter()
+    scores = ctx.reward(batch.images, prompts)
+    ctx.log_images(batch.images, step)
+    return ScoredRollout(prompts, batch, scores, {"time/rollout": rollout_s, "time/reward": time.perf_counter() - tick})

@@ -1,0 +1,60 @@
+"""Online Diffusion-DPO: each prompt is sampled `group_size` times with the current policy,
+and its best and worst image by reward form a pair (a group whose rewards all tie gives no
+pair and is counted). The pairs' final latents train the LoRA with Diffusion-DPO's loss
+(`omni.algorithms.dpo`) against the same transformer with adapters disabled.
+
+    python recipes/train.py algorithm=online_dpo
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict
+
+import torch
+
+from omni.algorithms import dpo
+from omni.algorithms.base import Algorithm, grouped_rollout
+from omni.algorithms.flow_grpo import check_groups
+from omni.context import update_seed
+
+
+def best_and_worst(rewards: torch.Tensor, group_size: int, tie_tolerance: float = 1e-8):
+    """Per group of `group_size` consecutive samples: indices of its best and worst sample,
+    for the groups whose rewards do not all tie; and the number of tied groups."""
+    grouped = rewards.reshape(-1, group_size)
+    best, worst = grouped.argmax(dim=1), grouped.argmin(dim=1)
+    spread = grouped.max(dim=1).values - grouped.min(dim=1).values
+    keep = spread > tie_tolerance
+    offsets = torch.arange(len(grouped)) * group_size
+    return (best + offsets)[keep], (worst + offsets)[keep], int((~keep).sum())
+
+
+class OnlineDPO(Algorithm):
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        dpo.check_dpo(cfg.algorithm)
+        check_groups(cfg.algorithm.group_size, cfg.trainer.batch_size)
+
+    def step(self, step: int) -> Dict[str, float]:
+        cfg, algo, worker = self.cfg, self.cfg.algorithm, self.ctx.worker
+        rollout = grouped_rollout(self.ctx, step, algo.group_size, (0, cfg.rollout.num_steps))
+        chosen, rejected, ties = best_and_worst(rollout.scores["reward"], algo.group_size)
+        timings, metrics = dict(rollout.timings), {}
+        if len(chosen):
+            tick = time.perf_counter()
+            x0 = rollout.batch.latents[:, -1]
+            pairs = dpo.PairBatch(x0[chosen], x0[rejected], rollout.batch.cond.apply(lambda t: t[chosen]))
+            metrics = worker.train(dpo.update, pairs, update_seed(cfg.seed, step))
+            timings["time/update"] = time.perf_counter() - tick
+            timings["time/sync"] = worker.sync_weights()["sync/seconds"]
+        return {
+            **rollout.reward_metrics(),
+            "train/pairs": float(len(chosen)),
+            "train/tied_groups": float(ties),
+            **{f"train/{k}": v for k, v in metrics.items()},
+            **timings,
+        }
+
+
+ALGORITHM = OnlineDPO

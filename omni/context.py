@@ -1,0 +1,66 @@
+"""What an algorithm's training step works with: `StepContext`, built by the trainer.
+
+A step gets the typed config, the model family, the prompt sets, the reward, the
+actor-rollout worker (one in this process, or a Ray group with the same methods) and the
+logger; never the trainer. Everything random in a step is a function of (seed, step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from omni.rollout.base import SamplingOptions
+from omni.rollout.sde import sde_window
+
+
+def step_seeds(seed: int, step: int, n: int) -> List[int]:
+    """`n` image seeds of training step `step` (or of the evaluation, with its own seed)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return torch.randint(0, 2**31 - 1, (n,), generator=generator).tolist()
+
+
+def update_seed(seed: int, step: int) -> int:
+    """The seed of step `step`'s update (minibatch shuffles, DPO noise)."""
+    return seed * 15_485_863 + step
+
+
+def means(scores: Dict[str, torch.Tensor], prefix: str) -> Dict[str, float]:
+    return {f"{prefix}{k}": float(v.mean()) for k, v in scores.items()}
+
+
+@dataclass
+class StepContext:
+    cfg: Any  # omni.config.TrainConfig
+    family: Any  # omni.models.base.ModelFamily
+    train_prompts: List[str]
+    eval_prompts: List[str]
+    reward: Any  # omni.rewards.WeightedReward
+    worker: Any = None  # set once built: ActorRolloutWorker or ActorRolloutGroup
+    logger: Any = None  # omni.loggers.MetricsLogger
+
+    def sampling_options(self, sde_steps: Tuple[int, int] = (0, 0)) -> SamplingOptions:
+        """Sampling with SDE steps [start, stop); the default (0, 0) is the deterministic ODE
+        sampling of evaluation."""
+        rollout = self.cfg.rollout
+        return SamplingOptions(
+            num_steps=rollout.num_steps,
+            resolution=rollout.resolution,
+            guidance_scale=rollout.guidance_scale,
+            noise_level=rollout.noise_level,
+            max_sequence_length=self.cfg.model.max_sequence_length,
+            sde_steps=sde_steps,
+        )
+
+    def sde_window(self, step: int, size: int = 0, allowed: Optional[Sequence[int]] = None) -> Tuple[int, int]:
+        """Step `step`'s SDE steps: all of them (size 0), or a window of `size` whose start
+        is drawn from `allowed` (Flow-GRPO-Fast)."""
+        generator = torch.Generator().manual_seed(self.cfg.seed * 7_919 + step)
+        return sde_window(self.cfg.rollout.num_steps, size, allowed, generator)
+
+    def log_images(self, images: torch.Tensor, step: int) -> None:
+        every = self.cfg.logger.image_every
+        if self.logger is not None and every and step % every == 0:
+            self.logger.log_images(images, step)

@@ -1,0 +1,158 @@
+"""What a model family is: everything the recipes need to know about one DiT architecture.
+
+A family (`omni/models/<name>.py`, chosen by `model.family`) loads its diffusers checkpoint
+from a local path or builds a tiny random one offline, encodes text into its own
+conditioning type, draws and packs initial latents, predicts the flow-matching velocity
+(with its own guidance), decodes latents to images and encodes images to latents, and
+exports a LoRA in its diffusers pipeline's format. Nothing outside `omni/models/` names a
+family's classes: the sampler, the worker, checkpoints, validation and the vLLM-Omni
+protocol all go through this interface.
+
+`ModelFamily` implements what diffusers pipelines share (loading by class name, LoRA
+export, the scheduler's noise levels, path and resolution checks); a family fills in the
+rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+
+@dataclass
+class Conditioning:
+    """A family's text conditioning: a dataclass of tensors (or None) with one row per sample.
+    Subclasses only declare their fields."""
+
+    @classmethod
+    def field_names(cls) -> Tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def cat(cls, parts: Sequence["Conditioning"]) -> "Conditioning":
+        """The conditioning of several batches, one after the other."""
+        per_field = ([getattr(p, name) for p in parts] for name in cls.field_names())
+        return cls(*(None if tensors[0] is None else torch.cat(tensors) for tensors in per_field))
+
+    def apply(self, fn) -> "Conditioning":
+        """A copy with `fn` applied to every tensor present (indexing, moving, ...)."""
+        return type(self)(*(None if t is None else fn(t) for t in (getattr(self, n) for n in self.field_names())))
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        """The fields that are present, by name (for transport)."""
+        return {n: getattr(self, n) for n in self.field_names() if getattr(self, n) is not None}
+
+    @classmethod
+    def from_tensors(cls, tensors: Dict[str, torch.Tensor]) -> "Conditioning":
+        return cls(*(tensors.get(n) for n in cls.field_names()))
+
+
+class ModelFamily:
+    """One DiT architecture. Class attributes name its diffusers classes and defaults."""
+
+    name: str = ""
+    pipeline_class: str = ""  # the diffusers pipeline, by name (imported when needed)
+    transformer_class: str = ""
+    conditioning: type = Conditioning
+    # Block containers, in the order the layered sync walks them (`model.fsdp.layer_prefixes`).
+    layer_prefixes: Tuple[str, ...] = ()
+    # Modules a LoRA targets by default, and the pipeline's text encoder attributes.
+    lora_targets: Tuple[str, ...] = ()
+    text_encoders: Tuple[str, ...] = ()
+
+    # ----------------------------------------------------------------- checkpoints
+    def tiny_path(self, cache_dir: str | os.PathLike, seed: int) -> Path:
+        """Directory of the cached tiny random checkpoint for `seed`, built on first use."""
+        raise NotImplementedError(f"model family {self.name} has no tiny builder")
+
+    def check_path(self, path: Optional[str], key: str = "model.path") -> Path:
+        """Fail early, naming the config key, when a checkpoint directory is unusable."""
+        if not path:
+            raise ValueError(f"{key} is not set: pass {key}=/path/to/a/diffusers/checkpoint")
+        root = Path(path).expanduser()
+        if not (root / "model_index.json").is_file():
+            raise FileNotFoundError(
+                f"{key}={path}: no diffusers checkpoint there (model_index.json missing); "
+                f"pass {key}=/path/to/a/local/diffusers/checkpoint directory"
+            )
+        return root
+
+    def tiny_resolution_multiple(self) -> int:
+        """`resolution_multiple` of the tiny model, known without building it."""
+        raise NotImplementedError(f"model family {self.name} has no tiny builder")
+
+    def resolution_multiple(self, path: str | os.PathLike) -> int:
+        """Image sizes must be multiples of the VAE's downsampling times the patch size."""
+        root = Path(path).expanduser()
+        vae = json.loads((root / "vae" / "config.json").read_text())
+        patch = json.loads((root / "transformer" / "config.json").read_text())["patch_size"]
+        return 2 ** (len(vae["block_out_channels"]) - 1) * patch
+
+    # ----------------------------------------------------------------- loading
+    def _diffusers(self, name: str):
+        import diffusers
+
+        return getattr(diffusers, name)
+
+    def transformer_config(self, path: str | os.PathLike) -> dict:
+        return self._diffusers(self.transformer_class).load_config(str(path), subfolder="transformer")
+
+    def load_transformer(self, path: str | os.PathLike, dtype: torch.dtype):
+        cls = self._diffusers(self.transformer_class)
+        return cls.from_pretrained(str(path), subfolder="transformer", torch_dtype=dtype, local_files_only=True)
+
+    def load_pipeline(self, path: str | os.PathLike, dtype: torch.dtype, load_base: bool = True):
+        """The whole pipeline; without `load_base` its transformer is a random module of the
+        right shape that the first weight sync fills."""
+        components = {}
+        if not load_base:
+            cls = self._diffusers(self.transformer_class)
+            components["transformer"] = cls.from_config(self.transformer_config(path)).to(dtype)
+        cls = self._diffusers(self.pipeline_class)
+        return cls.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True, **components)
+
+    # ----------------------------------------------------------------- sampling
+    def encode_prompts(self, pipe, prompts: List[str], guidance_scale: float, max_sequence_length: int, device) -> Conditioning:
+        raise NotImplementedError
+
+    def sigmas(self, pipe, num_steps: int, resolution: int) -> torch.Tensor:
+        """The scheduler's noise levels for `num_steps` steps: (num_steps + 1,) on the CPU."""
+        pipe.scheduler.set_timesteps(num_steps, device="cpu")
+        return pipe.scheduler.sigmas.float().clone()
+
+    def initial_latents(self, pipe, generators: Sequence[torch.Generator], resolution: int) -> torch.Tensor:
+        """One initial noise latent per generator, in the transformer's input layout, fp32 CPU."""
+        raise NotImplementedError
+
+    def predict_velocity(self, transformer, latents, sigmas, cond: Conditioning, guidance_scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:
+        """Latents -> images (B, 3, H, W) in [0, 1]."""
+        raise NotImplementedError
+
+    def encode_images(self, pipe, images: torch.Tensor, device) -> torch.Tensor:
+        """Images (B, 3, H, W) in [0, 1] -> latents in the transformer's layout, on the CPU."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- LoRA export
+    def save_lora(self, directory: Path, lora: Dict[str, torch.Tensor], adapter_metadata: dict) -> None:
+        """The LoRA as the family's pipeline saves it (`transformer.` keys, PEFT config)."""
+        self._diffusers(self.pipeline_class).save_lora_weights(
+            directory,
+            transformer_lora_layers={k: v.contiguous() for k, v in lora.items()},
+            transformer_lora_adapter_metadata=adapter_metadata,
+            safe_serialization=True,
+        )
+
+    def load_lora(self, directory: Path) -> Dict[str, torch.Tensor]:
+        """PEFT-named transformer LoRA tensors of a directory `save_lora` wrote."""
+        state = self._diffusers(self.pipeline_class).lora_state_dict(str(directory))
+        state = state[0] if isinstance(state, tuple) else state
+        prefix = "transformer."
+        return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
