@@ -58,7 +58,7 @@ MP_WRAPPINGS = {
 }
 # fresh; forward+backward; a step then a no_grad forward; a forward whose backward comes after
 MP_STATES = ("fresh", "fwd_bwd", "nograd_fwd", "grad_fwd")
-MP_SUMMON_WRAPPINGS = ("fsdp2_mp", "hsdp_mp_offload_keep")
+MP_SUMMON_WRAPPINGS = ("fsdp2_mp", "hsdp_mp_offload_keep", "fsdp2x4_mp_reshard2")
 MP_SUMMONS = ("summon", "summon_writeback", "summon_with_grads")
 
 
