@@ -274,9 +274,9 @@ def _fsdp2_params(unit: nn.Module) -> list:
     """
     try:
         state = unit._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.10: a list
+        groups = getattr(state, "_fsdp_param_groups", None)  # newer torch: a list
         if groups is None:
-            group = state._fsdp_param_group  # torch 2.6 - 2.9: one group or None
+            group = state._fsdp_param_group  # older torch: one group or None
             groups = [] if group is None else [group]
         return [fsdp_param for group in groups for fsdp_param in group.fsdp_params]
     except AttributeError as e:
