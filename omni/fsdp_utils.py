@@ -27,9 +27,15 @@ How the weights are made whole:
   never gathered for a LoRA sync (with a LoRA-aware wrap policy only the small LoRA units
   are). A unit is gathered whole: if the wrap policy leaves blocks unwrapped, the unit
   owning them (often the root) is gathered for each of its blocks.
-* FSDP2: each wanted `DTensor` parameter is gathered alone with `full_tensor()`. This
-  never gathers base weights for a LoRA sync, and returns the parameters' own dtype
-  (an `unshard()` would follow the mixed-precision `param_dtype`).
+* FSDP2: each wanted parameter is gathered alone, with `full_tensor()`, from FSDP2's
+  sharded parameter, never from what the module holds at the time: after a forward that
+  leaves a unit unsharded (the root by default, every unit with
+  `reshard_after_forward=False`; a no_grad log-prob or validation pass, or a forward whose
+  backward has not run) FSDP2 has its unsharded compute copies registered there, in the
+  mixed-precision `param_dtype` (e.g. bf16 for fp32 masters), or after a partial reshard
+  (`reshard_after_forward=<int>`) bf16 shards. This never gathers base weights for a LoRA
+  sync, returns the parameters' own dtype and values, and leaves the module as it was.
+  With `CPUOffloadPolicy` the shards are gathered on the mesh's device, one at a time.
 * plain: nothing to gather.
 
 `layered_summon=True` walks the blocks under `layer_prefixes` one at a time and then the
@@ -256,37 +262,93 @@ def _own_tensors(module: nn.Module):
             yield name, b
 
 
+def _fsdp2_params(unit: nn.Module) -> list:
+    """FSDP2's records (`FSDPParam`) of the parameters that FSDP2 unit `unit` manages.
+
+    Private torch API, on purpose: FSDP2 offers no public way to reach a unit's sharded
+    parameters while the unit is unsharded (`module.parameters()` then yields the unsharded
+    compute copies), and the public way around, `reshard()` then `unshard()` to restore,
+    would all-gather every parameter of each such unit, base weights included, on every
+    LoRA sync. Each record holds the sharded parameter (`sharded_param`, a DTensor in the
+    parameters' own dtype) and where FSDP2 registers it (`_module_info`).
+    """
+    try:
+        state = unit._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)  # newer torch: a list
+        if groups is None:
+            group = state._fsdp_param_group  # older torch: one group or None
+            groups = [] if group is None else [group]
+        return [fsdp_param for group in groups for fsdp_param in group.fsdp_params]
+    except AttributeError as e:
+        raise RuntimeError(
+            f"omni.fsdp_utils reads FSDP2's sharded parameters from torch internals that torch "
+            f"{torch.__version__} does not have ({e}); update omni.fsdp_utils._fsdp2_params"
+        ) from e
+
+
+def _fsdp2_slots(fsdp_param) -> list[tuple[nn.Module, str]]:
+    """Every (module, parameter name) where FSDP2 registers this parameter (shared ones too)."""
+    info = fsdp_param._module_info
+    return [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]
+
+
+def _fsdp2_sharded_params(units) -> dict[tuple[int, str], nn.Parameter]:
+    """(id(module), parameter name) -> FSDP2's sharded parameter there, for FSDP2 `units`."""
+    return {
+        (id(m), name): fsdp_param.sharded_param
+        for unit in units
+        for fsdp_param in _fsdp2_params(unit)
+        for m, name in _fsdp2_slots(fsdp_param)
+    }
+
+
+def _fsdp2_units(module: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def _full_tensor(t) -> torch.Tensor:
+    """The whole tensor of DTensor `t` (a collective), on the device of its mesh."""
+    if t.device.type != t.device_mesh.device_type:
+        # CPUOffloadPolicy keeps FSDP2's shards on the CPU while the mesh (NCCL) is the
+        # accelerator's: gather there, as torch's own state-dict utilities do.
+        t = t.to(t.device_mesh.device_type)
+    return t.full_tensor()
+
+
 def _owned_cpu_copy(t: torch.Tensor) -> torch.Tensor:
     """A whole CPU tensor with its own storage (FSDP1 views die with the summon)."""
     from torch.distributed.tensor import DTensor
 
     t = t.detach()
     if isinstance(t, DTensor):
-        t = t.full_tensor()
+        t = _full_tensor(t)
     out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
     out.copy_(t)
     return out
 
 
-def _collect_step(step: list[_Entry], layout: _PeftLayout, adapter: str | None, out: OrderedDict) -> None:
+def _collect_step(step: list[_Entry], layout: _PeftLayout, adapter: str | None, sharded: dict, out: OrderedDict):
     for e in step:
         if not _module_wanted(layout, e.name, e.module, adapter):
             continue
         for local, t in _own_tensors(e.module):
             kind = layout.classify(f"{e.name}.{local}" if e.name else local)
             if kind is not None and kind[0] == adapter:
-                out[kind[1]] = _owned_cpu_copy(t)
+                # FSDP2: the sharded parameter, whatever the module holds now (see above)
+                out[kind[1]] = _owned_cpu_copy(sharded.get((id(e.module), local), t))
 
 
-def _gather_and_collect(steps, layout: _PeftLayout, adapter: str | None, fsdp1: bool) -> OrderedDict:
+def _gather_and_collect(steps, layout: _PeftLayout, adapter: str | None, version: int, sharded: dict) -> OrderedDict:
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     for step in steps:
         units = []
-        if fsdp1:
+        if version == 1:
             wanted = [e for e in step if _module_wanted(layout, e.name, e.module, adapter)]
             units = list({id(e.owner): e.owner for e in wanted if e.owner is not None}.values())
         with _fsdp1_gather(units):
-            _collect_step(step, layout, adapter, out)
+            _collect_step(step, layout, adapter, sharded, out)
     return out
 
 
@@ -321,13 +383,14 @@ def collect_lora_params(
         raise ValueError(f"adapter {adapter_name!r} not found in the model; adapters present: {layout.adapters}")
 
     entries = _entries(module)
-    fsdp1 = _wrapping(module) == 1
+    version = _wrapping(module)
     steps = [entries]
     if layered_summon:
         steps = [group for step in _layered_steps(entries, prefixes) for group in _split_by_owner(step)]
-    if fsdp1:
+    if version == 1:
         _ensure_fsdp1_roots_initialized(entries)
-    out = _gather_and_collect(steps, layout, adapter, fsdp1)
+    sharded = _fsdp2_sharded_params(_fsdp2_units(module)) if version == 2 else {}
+    out = _gather_and_collect(steps, layout, adapter, version, sharded)
     if not out:
         what = f"LoRA tensors of adapter {adapter_name!r}" if adapter else "base tensors"
         raise ValueError(
@@ -342,72 +405,78 @@ def collect_lora_params(
 # ---------------------------------------------------------------------------------------
 
 
-def _fsdp2_param_slots(module: nn.Module, recurse: bool):
-    """(owning module, name, sharded DTensor param) managed by `module` (and, with
-    `recurse`, by its nested FSDP2 modules)."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
-    stack = [module]
-    while stack:
-        m = stack.pop()
-        for name, p in m._parameters.items():
-            if isinstance(p, DTensor):
-                yield m, name, p
-        stack.extend(c for c in m.children() if recurse or not isinstance(c, FSDPModule))
-
-
 def _write_back_shard(sharded, full: torch.Tensor) -> None:
+    """Copy this rank's part of `full` into DTensor `sharded` (casting to its dtype)."""
     from torch.distributed.tensor import distribute_tensor
 
+    full = full.detach().to(sharded.device_mesh.device_type)
     # src_data_rank=None: every rank holds the same full tensor, slice locally.
-    local = distribute_tensor(full.detach(), sharded.device_mesh, sharded.placements, src_data_rank=None)
+    local = distribute_tensor(full, sharded.device_mesh, sharded.placements, src_data_rank=None)
     with torch.no_grad():
         sharded.to_local().copy_(local.to_local())
 
 
 @contextmanager
-def _fsdp2_unsharded(module: nn.Module, writeback: bool, with_grads: bool, recurse: bool):
+def _fsdp2_full_params(module: nn.Module, writeback: bool, with_grads: bool, recurse: bool):
+    """Whole copies of FSDP2's sharded parameters (the masters, in their own dtype) put in
+    place of whatever FSDP2 has registered on the modules (the sharded parameters, or the
+    compute copies of units a forward left unsharded or partially resharded); on exit the
+    same tensors as before are registered again, so FSDP2's state is as it was."""
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
-    units = [m for m in module.modules() if isinstance(m, FSDPModule)] if recurse else [module]
-    if not isinstance(units[0], FSDPModule):
+    if not recurse and not isinstance(module, FSDPModule):
         raise ValueError(
             "fsdp_summon_full_params(recurse=False) on a module that is not itself fully_shard-ed "
             f"({type(module).__name__}) would gather nothing; pass recurse=True or an FSDPModule"
         )
-    slots = list(_fsdp2_param_slots(module, recurse))
-    for unit in units:
-        unit.unshard()
+    fsdp_params = [fp for unit in (_fsdp2_units(module) if recurse else [module]) for fp in _fsdp2_params(unit)]
+    registered = {(id(m), name): (m, name, m._parameters[name]) for fp in fsdp_params for m, name in _fsdp2_slots(fp)}
+    fulls = []
     try:
-        if with_grads:
-            for m, name, sharded in slots:
-                if sharded.grad is not None:
-                    full = m._parameters[name]
-                    full.grad = sharded.grad.full_tensor().to(full.dtype)
+        for fp in fsdp_params:
+            sharded = fp.sharded_param
+            full = nn.Parameter(_full_tensor(sharded.detach()), requires_grad=sharded.requires_grad)
+            if with_grads and sharded.grad is not None:
+                full.grad = _full_tensor(sharded.grad)
+            fulls.append(full)
+            for m, name in _fsdp2_slots(fp):
+                m._parameters[name] = full
         yield
         if writeback:
-            for m, name, sharded in slots:
-                _write_back_shard(sharded, m._parameters[name])
+            for fp, full in zip(fsdp_params, fulls):
+                _write_back_shard(fp.sharded_param, full)
+                m, name = _fsdp2_slots(fp)[0]
+                held = registered[(id(m), name)][2]
+                if held is fp.sharded_param:
+                    continue
+                # a compute copy a forward left registered: FSDP2 uses it as is until the
+                # unit is resharded, so it gets the new values too
+                if isinstance(held, DTensor):  # partially resharded after forward
+                    _write_back_shard(held, full)
+                else:  # unsharded
+                    with torch.no_grad():
+                        held.copy_(full)
     finally:
-        if with_grads:
-            for m, name, _ in slots:
-                m._parameters[name].grad = None
-        for unit in units:
-            unit.reshard()
+        for m, name, held in registered.values():
+            m._parameters[name] = held
 
 
 @contextmanager
 def fsdp_summon_full_params(
     module: nn.Module, *, writeback: bool = False, with_grads: bool = False, recurse: bool = True
 ):
-    """Whole parameters inside the context, sharded again after.
+    """Whole parameters inside the context, as they were after.
 
     FSDP1: `FSDP.summon_full_params(module, writeback=, with_grads=, recurse=)`.
-    FSDP2: `unshard()` of the FSDP modules (this one, or all below it with `recurse`), then
-    `reshard()`; parameters follow the mixed-precision `param_dtype`. `with_grads` exposes
-    the gathered gradients on the whole parameters (dropped on exit), `writeback` copies
-    changes made inside back into the shards. Plain modules: no-op.
+    FSDP2 (this module's own parameters, or all below it with `recurse`): whole copies of
+    the sharded parameters, in their own dtype like FSDP1's (the fp32 masters under mixed
+    precision, not the `param_dtype` compute copies), gathered one parameter at a time and
+    registered on the modules; on exit the tensors registered before are registered again,
+    so units a forward left unsharded stay so. `with_grads` exposes the whole gradients of
+    the sharded parameters; `writeback` copies changes made inside back into the shards,
+    and into the compute copies of units left unsharded. Do not run forward or backward
+    inside. Plain modules: no-op.
     Collective under FSDP: enter it on every rank.
     """
     version = _wrapping(module)
@@ -417,7 +486,7 @@ def fsdp_summon_full_params(
         with FSDP.summon_full_params(module, writeback=writeback, with_grads=with_grads, recurse=recurse):
             yield
     elif version == 2:
-        with _fsdp2_unsharded(module, writeback, with_grads, recurse):
+        with _fsdp2_full_params(module, writeback, with_grads, recurse):
             yield
     else:
         yield

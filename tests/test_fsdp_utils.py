@@ -4,12 +4,20 @@ The distributed cells run on CPU in one real 2-process gloo group, started once 
 whole module: every wrapping x layered x base_sync_done x adapter case x {fresh, after an
 AdamW step} cell, the error cells and the summon cells run there, each rank records its
 findings per cell in a JSON file, and the parametrized tests below assert on them (the
-cell's checks, and that both ranks returned bit-identical tensors).
+cell's checks, and that all ranks returned bit-identical tensors). The cells that need 4
+ranks run the same way in a 4-process group.
 
 References are the same models unwrapped (same seeds, same optimizer step on the same
 batch, so FSDP's averaged gradient equals the plain one): `peft.get_peft_model_state_dict`
 of the reference for LoRA, the plain transformer's `state_dict()` for base weights (LoRA
 freezes the base, so training does not change it).
+
+FSDP2 mixed precision (bf16 compute, fp32 master parameters) gets its own cells, in the
+states where FSDP2 leaves modules unsharded with bf16 compute copies registered (after a
+no_grad forward, between a forward and its backward; the root by default, every block with
+`reshard_after_forward=False`), with CPU offload, and on 4 ranks with HSDP (2 x 2 mesh) and
+a partial post-forward reshard. Their reference is the fp32 masters, read (`full_tensor()`)
+while every parameter is sharded, copied into an unwrapped model.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import torch
 from torch import nn
 
 WORLD = 2
+WORLD4 = 4  # HSDP (2 x 2 mesh) and partial post-forward resharding need 4 ranks
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_out"]  # proj_out: a root-level Linear
 SD3_PREFIXES = ("transformer_blocks.",)
 FLUX_PREFIXES = ("transformer_blocks.", "single_transformer_blocks.")
@@ -38,6 +47,19 @@ ADAPTER_CASES = {  # name: (adapters the model has, adapter asked for)
     "two_ask_policy": (("default", "policy"), "policy"),
 }
 LAYERED_BASE_ERROR = ["ValueError", "layered_summon", "base_sync_done"]
+# FSDP2 with MixedPrecisionPolicy(param_dtype=bf16): name -> (world, fully_shard options)
+MP_WRAPPINGS = {
+    "fsdp2_mp": (WORLD, {}),  # default: the root stays unsharded after forward, the blocks not
+    "fsdp2_mp_keep": (WORLD, {"reshard_after_forward": False}),  # every unit stays unsharded
+    "fsdp2_mp_offload": (WORLD, {"offload": True}),  # CPUOffloadPolicy
+    "hsdp_mp": (WORLD4, {"mesh_shape": (2, 2)}),  # HSDP: replicate over 2, shard over 2
+    "hsdp_mp_offload_keep": (WORLD4, {"mesh_shape": (2, 2), "offload": True, "reshard_after_forward": False}),
+    "fsdp2x4_mp_reshard2": (WORLD4, {"reshard_after_forward": 2}),  # bf16 shards on 2 ranks after forward
+}
+# fresh; forward+backward; a step then a no_grad forward; a forward whose backward comes after
+MP_STATES = ("fresh", "fwd_bwd", "nograd_fwd", "grad_fwd")
+MP_SUMMON_WRAPPINGS = ("fsdp2_mp", "hsdp_mp_offload_keep", "fsdp2x4_mp_reshard2")
+MP_SUMMONS = ("summon", "summon_writeback", "summon_with_grads")
 
 
 def _cell_specs() -> dict[str, list[str] | None]:
@@ -61,7 +83,18 @@ def _cell_specs() -> dict[str, list[str] | None]:
         cells[f"{w}-summon_writeback"] = None
         flat = w == "fsdp1_lora_flat"  # FSDP1 only offers with_grads with use_orig_params=True
         cells[f"{w}-summon_with_grads"] = ["use_orig_params"] if flat else None
+    for w in MP_WRAPPINGS:
+        for state in MP_STATES:
+            cells[f"{w}-{state}"] = None
+    for w in MP_SUMMON_WRAPPINGS:
+        for summon in MP_SUMMONS:
+            cells[f"{w}-{summon}"] = None
     return cells
+
+
+def _cell_world(cell: str) -> int:
+    wrapping = cell.split("-", 1)[0]
+    return MP_WRAPPINGS[wrapping][0] if wrapping in MP_WRAPPINGS else WORLD
 
 
 def _matrix_id(wrapping, state, case, layered, synced) -> str:
@@ -164,13 +197,27 @@ def _wrap(model, wrapping):
         policy = CustomPolicy(lambda m: isinstance(m, blocks) or _trainable_leaf(m))
         orig = wrapping == "fsdp1_lora_orig"
         return FSDP(model, auto_wrap_policy=policy, use_orig_params=orig, device_id=cpu)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    return _fully_shard(model)
 
-    mesh = init_device_mesh("cpu", (WORLD,))
+
+def _fully_shard(model, mesh_shape=None, offload=False, reshard_after_forward=None, bf16=False):
+    """FSDP2 over the blocks, then the root; a 2-D `mesh_shape` is HSDP (replicate, shard)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mesh_shape = mesh_shape or (torch.distributed.get_world_size(),)
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else None
+    options = {"mesh": init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)}
+    if reshard_after_forward is not None:
+        options["reshard_after_forward"] = reshard_after_forward
+    if bf16:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    if offload:
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    blocks = tuple(_block_classes(model))
     for m in [m for m in model.modules() if isinstance(m, blocks)]:
-        fully_shard(m, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        fully_shard(m, **options)
+    return fully_shard(model, **options)
 
 
 # ---------------------------------------------------------------------------------------
@@ -241,7 +288,8 @@ def _lora_roundtrip(kind, got, ref, asked) -> list[str]:
 
 
 def _digests(state: dict) -> dict[str, str]:
-    return {k: hashlib.sha1(t.contiguous().numpy().tobytes()).hexdigest() for k, t in state.items()}
+    as_bytes = {k: t.reshape(-1).contiguous().view(torch.uint8).numpy() for k, t in state.items()}  # numpy: no bf16
+    return {k: hashlib.sha1(b.tobytes()).hexdigest() for k, b in as_bytes.items()}
 
 
 def _record(fn) -> dict:
@@ -439,6 +487,180 @@ def _gathering_cell(w):
     return problems, _digests(got)
 
 
+# ---------------------------------------------------------------------------------------
+# FSDP2 mixed precision: fp32 masters whatever FSDP2 has registered on the modules
+# ---------------------------------------------------------------------------------------
+
+
+def _mp_model(w):
+    return _fully_shard(_with_adapters("sd3", ("default",)), bf16=True, **MP_WRAPPINGS[w][1])
+
+
+def _registered(model) -> list:
+    """Which tensor each parameter slot holds: FSDP2 swaps sharded and unsharded ones in."""
+    return [(n, id(p), p.dtype) for n, p in model.named_parameters()]
+
+
+def _fsdp2_modules(model) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _masters(model) -> dict:
+    """Whole copies of the fp32 master parameters, read while every parameter is sharded."""
+    from torch.distributed.tensor import DTensor
+
+    params = dict(model.named_parameters())
+    unsharded = [n for n, p in params.items() if not isinstance(p, DTensor)]
+    assert not unsharded, f"test precondition: {unsharded[:3]} not sharded"
+    masters = {n: p.detach().full_tensor() for n, p in params.items()}
+    assert {m.dtype for m in masters.values()} == {torch.float32}
+    return masters
+
+
+def _masters_reference(masters: dict):
+    """An unwrapped model holding `masters` (names are unchanged by FSDP2)."""
+    ref = _with_adapters("sd3", ("default",))
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            p.copy_(masters[n])
+    return ref
+
+
+def _bring_to_state(model, state):
+    """Put `model` in `state`; returns (the masters, a pending forward output or None)."""
+    if state == "fresh":
+        return _masters(model), None
+    if state == "fwd_bwd":
+        _backward(model)
+        return _masters(model), None
+    if state == "nograd_fwd":  # a log-prob or validation pass after an update
+        _train_step(model)
+        masters = _masters(model)
+        _output(model)
+        return masters, None
+    masters = _masters(model)  # grad_fwd: a forward, its backward after the collection
+    return masters, model(**_inputs(model))[0]
+
+
+def _mp_collect_cell(w, state):
+    """LoRA (whole and layered) and base: the fp32 masters; the module untouched (the same
+    tensors registered, a second collection identical, backward and forward still work)."""
+    from peft import get_peft_model_state_dict
+
+    from omni.fsdp_utils import collect_lora_params
+
+    model = _mp_model(w)
+    masters, pending = _bring_to_state(model, state)
+    ref = _masters_reference(masters)
+    registered = _registered(model)
+    expected_lora, expected_base = get_peft_model_state_dict(ref), _build_sd3(0).state_dict()
+    problems, collected = [], {}
+    for what, layered, synced in (("lora", False, True), ("lora_layered", True, True), ("base", False, False)):
+        collected[what] = got = collect_lora_params(model, layered, synced)
+        problems += [f"{what}: {p}" for p in _compare(got, expected_lora if synced else expected_base, model)]
+    if _registered(model) != registered:
+        problems.append("the collection changed the tensors registered on the module")
+    if _digests(collect_lora_params(model, True, True)) != _digests(collected["lora"]):
+        problems.append("a second collection differs from the first")
+    (pending if pending is not None else model(**_inputs(model))[0]).pow(2).mean().backward()
+    _output(model)  # and a no_grad forward after it
+    again = collect_lora_params(model, False, True)
+    problems += [f"after backward and a no_grad forward: {p}" for p in _compare(again, expected_lora, model)]
+    return problems, {**_digests(collected["lora"]), **_digests(collected["base"])}
+
+
+def _mp_summon_cell(w):
+    """After a step and a no_grad forward: whole fp32 masters inside; the same tensors
+    registered after (unsharded compute copies stay), and training goes on."""
+    from torch.distributed.tensor import DTensor
+
+    from omni.fsdp_utils import fsdp_summon_full_params
+
+    model = _mp_model(w)
+    masters, _ = _bring_to_state(model, "nograd_fwd")
+    registered = _registered(model)
+    with fsdp_summon_full_params(model):
+        inside = {n: p.detach().clone() for n, p in model.named_parameters()}
+        dtensors = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    problems = [f"DTensors inside the context: {dtensors[:3]}"] if dtensors else []
+    problems += _compare(inside, masters, model)
+    if _registered(model) != registered:
+        problems.append("the summon did not restore the tensors registered on the module")
+    _train_step(model)
+    return problems, _digests(inside)
+
+
+def _mp_summon_writeback_cell(w):
+    """After a step and a no_grad forward, +1 written back to a block's LoRA, a block's
+    base and a root-level base weight: exactly that reaches the fp32 masters (the rest
+    untouched, not rounded to bf16), and the unsharded compute copies see it too."""
+    from peft import get_peft_model_state_dict
+
+    from omni.fsdp_utils import collect_lora_params, fsdp_summon_full_params
+
+    model = _mp_model(w)
+    masters, _ = _bring_to_state(model, "nograd_fwd")
+    registered = _registered(model)
+    keys = (
+        "transformer_blocks.0.attn.to_q.lora_B.default.weight",
+        "transformer_blocks.1.attn.to_k.base_layer.weight",
+        "proj_out.base_layer.weight",
+    )
+    with fsdp_summon_full_params(model, writeback=True):
+        with torch.no_grad():
+            for key in keys:
+                dict(model.named_parameters())[key].add_(1.0)
+    for key in keys:
+        masters[key] = masters[key] + 1.0
+    problems = []
+    if _registered(model) != registered:
+        problems.append("the summon did not restore the tensors registered on the module")
+    ref = _masters_reference(masters)
+    got = collect_lora_params(model, False, True)
+    problems += _compare(got, get_peft_model_state_dict(ref), model)
+    expected_base = _build_sd3(0).state_dict()
+    for key in ("transformer_blocks.1.attn.to_k.weight", "proj_out.weight"):
+        expected_base[key] = expected_base[key] + 1.0
+    problems += _compare(collect_lora_params(model, False, False), expected_base, model)
+    as_registered = _output(model)  # with whatever compute copies the module holds
+    for m in _fsdp2_modules(model):
+        m.reshard()
+    problems += _output_problem("compute copies after writeback", as_registered, _output(model))
+    return problems, _digests(got)
+
+
+def _mp_summon_grads_cell(w):
+    """After forward+backward and a no_grad forward: the fp32 gradients of every
+    parameter that has one, whole."""
+    from omni.fsdp_utils import fsdp_summon_full_params
+
+    model = _mp_model(w)
+    _backward(model)
+    expected = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    _output(model)  # leaves the root unsharded, its gradients on the sharded parameters
+    with fsdp_summon_full_params(model, with_grads=True):
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    problems = [] if expected else ["test precondition: no gradients"]
+    return problems + _compare(grads, expected, model), _digests(grads)
+
+
+def _mp_cells(world) -> dict:
+    out = {}
+    for w, (w_world, _) in MP_WRAPPINGS.items():
+        if w_world != world:
+            continue
+        for state in MP_STATES:
+            out[f"{w}-{state}"] = _record(lambda: _mp_collect_cell(w, state))
+        if w in MP_SUMMON_WRAPPINGS:
+            out[f"{w}-summon"] = _record(lambda: _mp_summon_cell(w))
+            out[f"{w}-summon_writeback"] = _record(lambda: _mp_summon_writeback_cell(w))
+            out[f"{w}-summon_with_grads"] = _record(lambda: _mp_summon_grads_cell(w))
+        torch.distributed.barrier()
+    return out
+
+
 def _wrapping_cells(w) -> dict:
     out = _matrix_cells(w)
     out.update(_prefix_cells(w))
@@ -450,18 +672,19 @@ def _wrapping_cells(w) -> dict:
     return out
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
         results = {}
-        for w in WRAPPINGS:
+        for w in WRAPPINGS if world == WORLD else ():
             results.update(_wrapping_cells(w))
             dist.barrier()
+        results.update(_mp_cells(world))
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
     finally:
@@ -479,27 +702,49 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("fsdp_cells")
+# What every worker imports, imported once by the forkserver that forks them (instead of
+# in each spawned process: peft alone takes seconds, 4 processes share 2 cores here).
+_WORKER_PRELOAD = [
+    __name__, "peft", "omni.fsdp_utils", "omni.models.sd3", "torch.distributed.fsdp",
+    "diffusers.models.transformers.transformer_sd3", "diffusers.models.transformers.transformer_flux",
+]  # fmt: skip
+
+
+def _run_group(world: int, out_dir) -> list[dict]:
+    import multiprocessing
+
     saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the forkserver, started on first use
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_WORKER_PRELOAD)
     try:
         torch.multiprocessing.start_processes(
-            _worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, start_method="spawn", join=True
+            _worker, args=(world, _free_port(), str(out_dir)), nprocs=world, start_method="forkserver", join=True
         )
     finally:
         if saved is None:
             os.environ.pop("OMP_NUM_THREADS")
         else:
             os.environ["OMP_NUM_THREADS"] = saved
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """world size -> each rank's cell results; each group is started once, when first needed."""
+    groups: dict[int, list[dict]] = {}
+
+    def of_world(world: int) -> list[dict]:
+        if world not in groups:
+            groups[world] = _run_group(world, tmp_path_factory.mktemp(f"fsdp_cells_{world}"))
+        return groups[world]
+
+    return of_world
 
 
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_cell(results, cell):
     expect_error = CELLS[cell]
-    per_rank = [r[cell] for r in results]
+    per_rank = [r[cell] for r in results(_cell_world(cell))]
     for rank, r in enumerate(per_rank):
         if expect_error:
             assert r["error"], f"rank {rank}: expected an error containing {expect_error}, got none"
@@ -507,7 +752,7 @@ def test_cell(results, cell):
         else:
             assert r["error"] is None, f"rank {rank}: {r['error']}"
             assert r["problems"] == [], f"rank {rank}: " + "\n".join(r["problems"])
-    assert per_rank[0]["digests"] == per_rank[1]["digests"], "ranks returned different tensors"
+    assert all(r["digests"] == per_rank[0]["digests"] for r in per_rank), "ranks returned different tensors"
 
 
 def test_layered_summon_needs_base_sync_done_plain():
