@@ -30,6 +30,7 @@ def final_reward(job_dir: Path) -> float:
     return sum(after) / len(after)
 
 
+@pytest.mark.slow
 def test_multirun_gives_each_job_its_directory_and_its_ray(tmp_path, tiny_cache):
     output = sweep(tmp_path, tiny_cache, "seed=1,2", "trainer.n_workers=2", *SHORT)
     jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
@@ -41,6 +42,7 @@ def test_multirun_gives_each_job_its_directory_and_its_ray(tmp_path, tiny_cache)
     assert output.count("Started a local Ray instance") == 2
 
 
+@pytest.mark.slow
 def test_optuna_search_maximises_the_returned_reward(tmp_path, tiny_cache):
     output = sweep(tmp_path, tiny_cache, "hparams_search=optuna", "hydra.sweeper.n_trials=2", *SHORT)
     results = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())

@@ -28,6 +28,7 @@ def final_lora(run_dir, step):
     return load_file(Path(run_dir) / "checkpoints" / f"step_{step:06d}" / "pytorch_lora_weights.safetensors")
 
 
+@pytest.mark.slow
 def test_default_run_raises_held_out_reward(tmp_path, tiny_cache):
     """Paired comparison on the same held-out prompts and seeds: a seeded check that fails
     if training does not move the policy towards higher reward."""
@@ -47,6 +48,7 @@ def four_steps(tmp_path_factory, tiny_cache):
     return run_dir
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(four_steps, tmp_path, tiny_cache):
     run_dir = tmp_path / "resumed"
     train(run_dir, tiny_cache, "trainer.steps=2", "trainer.batch_size=16")
@@ -58,11 +60,13 @@ def test_resume_continues_exactly(four_steps, tmp_path, tiny_cache):
     assert not all(torch.equal(final_lora(run_dir, 2)[k], resumed[k]) for k in straight)
 
 
+@pytest.mark.slow
 def test_logs_are_written(four_steps):
     assert list((four_steps / "tensorboard").glob("events.out.tfevents.*"))
     assert list((four_steps / "wandb").glob("offline-run-*"))
 
 
+@pytest.mark.slow
 def test_exported_lora_loads_in_diffusers(four_steps, tiny_sd3_dir):
     from omni.config.model import LoraConfig
     from omni.models.sd3 import FAMILY

@@ -3,11 +3,13 @@ is exact, and a bad preference row stops the run before any model loads."""
 
 import json
 
+import pytest
 import torch
 
 from tests.recipes.test_train import final_lora, train
 
 
+@pytest.mark.slow
 def test_online_dpo_raises_held_out_reward(tmp_path, tiny_cache):
     train(tmp_path / "run", tiny_cache, "algorithm=online_dpo", "trainer.steps=25")
     summary = json.loads((tmp_path / "run" / "eval.json").read_text())
@@ -16,6 +18,7 @@ def test_online_dpo_raises_held_out_reward(tmp_path, tiny_cache):
     assert gain.mean() > 0 and t_stat > 3, f"mean gain {gain.mean():.6f}, t={t_stat:.2f}"
 
 
+@pytest.mark.slow
 def test_offline_dpo_resume_is_exact(tmp_path, tiny_cache, synthetic_pairs):
     common = ["algorithm=dpo", "data=pairs", f"data.pairs={synthetic_pairs}", "trainer.batch_size=8"]
     train(tmp_path / "straight", tiny_cache, *common, "trainer.steps=4")
@@ -27,6 +30,7 @@ def test_offline_dpo_resume_is_exact(tmp_path, tiny_cache, synthetic_pairs):
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
+@pytest.mark.slow
 def test_bad_row_is_named_before_loading(tmp_path, tiny_cache, synthetic_pairs):
     rows = synthetic_pairs.read_text().splitlines()
     bad = json.loads(rows[2])

@@ -66,6 +66,7 @@ def started_engine(tiny_sd3_dir, tmp_path_factory):
     engine.shutdown()
 
 
+@pytest.mark.slow
 def test_engine_process_matches_diffusers_engine_across_syncs(started_engine, diffusers_engine):
     engine = started_engine
     assert not engine.has_base
@@ -94,17 +95,20 @@ def test_engine_process_matches_diffusers_engine_across_syncs(started_engine, di
     assert torch.allclose(cond.neg_embeds, diffusers_engine.encode_prompts(["a red cat"], 3.0, 16).neg_embeds, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_attached_engine_keeps_running_after_the_run(started_engine):
     attached = VllmEngine.start(FAMILY, VllmOptions(url=started_engine.url), "unused", torch.device("cpu"), torch.float32, 2, True, started_engine.shared_dir)
     attached.shutdown()
     assert get_json(started_engine.url, "health", 10)["ok"]
 
 
+@pytest.mark.slow
 def test_engine_error_reaches_the_driver(started_engine):
     with pytest.raises(RuntimeError, match="has shape"):
         started_engine.update_weights({k: torch.zeros(1) for k in plain_base_names(build_tiny_transformer())}, False, None)
 
 
+@pytest.mark.slow
 def test_shutdown_stops_the_engine_process(tiny_sd3_dir, tmp_path):
     engine = VllmEngine.start(FAMILY, VllmOptions(backend="local", startup_timeout=300), tiny_sd3_dir, torch.device("cpu"), torch.float32, 2, True, tmp_path)
     process = engine.process
@@ -114,6 +118,7 @@ def test_shutdown_stops_the_engine_process(tiny_sd3_dir, tmp_path):
     assert "listening on" in (tmp_path / "vllm_engine").rglob("engine.log").__next__().read_text()
 
 
+@pytest.mark.slow
 def test_engine_that_dies_at_start_shows_its_log(tmp_path):
     with pytest.raises(RuntimeError, match="exited with code") as info:
         VllmEngine.start(FAMILY, VllmOptions(backend="local", startup_timeout=120), tmp_path / "no-model", torch.device("cpu"), torch.float32, 2, True, tmp_path)
@@ -159,6 +164,7 @@ def test_worker_syncs_into_the_engine_process_and_rescores_exactly(overrides, sy
     assert worker.engine.process is None
 
 
+@pytest.mark.slow
 def test_engine_stops_when_its_driver_dies(tiny_sd3_dir, tmp_path):
     """A driver killed without shutdown (e.g. a lost Ray worker) must not leave the engine behind."""
     from omni.distributed import free_port

@@ -23,6 +23,9 @@ from omni.trainer import model_path
 from tests.conftest import compose_config, training_options
 from tests.recipes.test_train import final_lora, train
 
+# every test here starts Ray and worker processes
+pytestmark = pytest.mark.slow
+
 SMALL = ["trainer.batch_size=8", "algorithm.group_size=4", "trainer.micro_batch_size=4", "trainer.eval_images_per_prompt=1"]
 
 
