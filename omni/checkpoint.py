@@ -5,13 +5,16 @@ Layout of `<output_dir>/checkpoints/step_000010/`:
     trainer_state.pt                   step, optimizer state, RNG states
 A checkpoint is written to a temporary directory and renamed into place, and `latest` is
 replaced only after that, so an interrupted save never damages what was already saved.
+Resuming takes the newest checkpoint that passes `check_checkpoint`; the temporary
+directories a killed save leaves behind are cleaned at the next start.
 """
 
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -51,18 +54,93 @@ def save_checkpoint(root: Path, step: int, lora: Dict[str, torch.Tensor], lora_c
     return final
 
 
+class DamagedCheckpoint(ValueError):
+    """A checkpoint directory that cannot be resumed from; the message names the file."""
+
+
+def step_of(directory: Path) -> int:
+    return int(directory.name.removeprefix("step_"))
+
+
+def check_checkpoint(directory: Path, lora_config=None) -> None:
+    """Read a checkpoint's headers without loading its tensors: both files present, the
+    safetensors header readable, the trainer state readable, and (given `lora_config`) the
+    LoRA's rank and targets those of the config. Raises DamagedCheckpoint naming the file."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    lora_file, state_file = directory / LORA_FILE, directory / STATE_FILE
+    for path in (lora_file, state_file):
+        if not path.is_file():
+            raise DamagedCheckpoint(f"{path}: missing (a checkpoint holds {LORA_FILE} and {STATE_FILE})")
+    try:
+        with safe_open(str(lora_file), framework="pt") as f:
+            shapes = {key: f.get_slice(key).get_shape() for key in f.keys()}
+    except Exception as error:  # safetensors raises its own error types for a bad header
+        raise DamagedCheckpoint(f"{lora_file}: unreadable safetensors ({error})") from None
+    try:
+        state = torch.load(state_file, map_location="cpu", weights_only=False)
+        int(state["step"])
+    except Exception as error:  # a truncated pickle raises anything from EOFError to UnpicklingError
+        raise DamagedCheckpoint(f"{state_file}: unreadable trainer state ({type(error).__name__}: {error})") from None
+    if lora_config is not None:
+        check_lora_matches(lora_file, shapes, lora_config)
+
+
+def check_lora_matches(lora_file: Path, shapes: Dict[str, list], lora_config) -> None:
+    ranks = {shape[0] for key, shape in shapes.items() if ".lora_A." in key}
+    if ranks != {lora_config.rank}:
+        raise DamagedCheckpoint(f"{lora_file}: LoRA rank {sorted(ranks)}, but model.lora.rank={lora_config.rank}")
+    modules = {key.split(".lora_A.")[0] for key in shapes if ".lora_A." in key}
+    targets = set(lora_config.target_modules)
+    found = {t for t in targets if any(m == t or m.endswith("." + t) for m in modules)}
+    stray = sorted(m for m in modules if not any(m == t or m.endswith("." + t) for t in targets))
+    if found != targets or stray:
+        raise DamagedCheckpoint(
+            f"{lora_file}: LoRA on other modules than model.lora.target_modules={sorted(targets)} "
+            f"(missing {sorted(targets - found)}, unexpected {stray[:3]})"
+        )
+
+
+def resumable_checkpoint(root: Path, lora_config=None) -> Tuple[Optional[Path], List[str]]:
+    """The newest intact checkpoint under `root` (None if there is none) and, for each newer
+    one that is damaged, why it was passed over. `latest` is only a hint: a checkpoint it
+    names that is missing or damaged does not hide older intact ones."""
+    root = Path(root)
+    steps = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()), key=step_of, reverse=True)
+    skipped = []
+    for directory in steps:
+        try:
+            check_checkpoint(directory, lora_config)
+            return directory, skipped
+        except DamagedCheckpoint as error:
+            skipped.append(str(error))
+    return None, skipped
+
+
 def latest_checkpoint(root: Path) -> Optional[Path]:
-    pointer = root / "latest"
-    if not pointer.is_file():
-        return None
-    path = root / pointer.read_text().strip()
-    return path if (path / STATE_FILE).is_file() else None
+    return resumable_checkpoint(root)[0]
+
+
+def clean_interrupted_writes(root: Path) -> List[str]:
+    """Remove what a killed save left under `root` (its temporary directories); a step that
+    was renamed aside and never replaced is put back. Returns what was done, for the log."""
+    root = Path(root)
+    done = []
+    for leftover in sorted(root.glob(".step_*")) if root.is_dir() else []:
+        name = leftover.name[1:].split(".")[0]
+        if ".old." in leftover.name and not (root / name).exists():
+            leftover.rename(root / name)
+            done.append(f"restored {name} from {leftover.name}")
+        else:
+            shutil.rmtree(leftover, ignore_errors=True)
+            done.append(f"removed {leftover.name}")
+    return done
 
 
 def load_checkpoint(directory: Path, family):
     """(PEFT-named LoRA tensors, trainer state) of a checkpoint directory."""
     directory = Path(directory)
-    if not (directory / STATE_FILE).is_file() or not (directory / LORA_FILE).is_file():
-        raise FileNotFoundError(f"{directory}: not a checkpoint ({LORA_FILE} and {STATE_FILE} expected)")
+    check_checkpoint(directory)
     state = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=False)
     return family.load_lora(directory), state

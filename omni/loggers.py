@@ -49,13 +49,16 @@ class MetricsLogger:
                 self.tensorboard.add_scalar(key, value, step)
 
     def log_images(self, images: torch.Tensor, step: int, tag: str = "rollout/images") -> None:
+        """One grid of `images` (in [0, 1]) to every image backend, as 8-bit pixels: wandb
+        casts a float array to uint8 without scaling, which would turn the grid black."""
         grid = image_grid(images.float().cpu())
+        pixels = (grid.clamp(0, 1) * 255).round().to(torch.uint8)
         if self.wandb is not None:
             import wandb
 
-            self.wandb.log({tag: wandb.Image(grid.permute(1, 2, 0).numpy())}, step=step)
+            self.wandb.log({tag: wandb.Image(pixels.permute(1, 2, 0).numpy())}, step=step)
         if self.tensorboard is not None:
-            self.tensorboard.add_image(tag, grid, step)
+            self.tensorboard.add_image(tag, pixels, step)
 
     def close(self) -> None:
         if self.wandb is not None:

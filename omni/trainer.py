@@ -9,6 +9,8 @@ step, the LoRA and the optimizer state to continue exactly.
 from __future__ import annotations
 
 import json
+import logging
+import math
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -25,7 +27,14 @@ from omni.data.prompts import load_prompts
 from omni.loggers import MetricsLogger
 from omni.models import get_family
 from omni.rewards import WeightedReward
+from omni.run_lock import RunLock
 from omni.workers import WorkerFailure, build_actor_rollout
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped itself (non-finite gradients); the message names the last checkpoint."""
 
 
 def model_path(model) -> str:
@@ -43,13 +52,15 @@ class Trainer:
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_dir = self.output_dir / "checkpoints"
         self.family = get_family(cfg.model.family)
-        train_prompts = load_prompts(cfg.data.train, "data.train")
-        eval_prompts = load_prompts(cfg.data.eval, "data.eval") if cfg.data.eval else train_prompts
-        reward = WeightedReward(cfg.reward.components, cfg.reward.batch_size)
+        train_prompts = load_prompts(cfg.data.train, "data.train", cfg.data.skip_bad_rows)
+        eval_prompts = load_prompts(cfg.data.eval, "data.eval", cfg.data.skip_bad_rows) if cfg.data.eval else train_prompts
+        reward = WeightedReward(cfg.reward.components, cfg.reward.batch_size, cfg.reward.nonfinite)
         self.ctx = StepContext(cfg, self.family, train_prompts, eval_prompts, reward)
         self.algorithm = get_algorithm(cfg.algorithm.name)(self.ctx)  # reads its data before any model loads
+        self.resume_dir = self._resume_dir()  # checked before any model loads
         self.start_step = 0
-        self.position = "set-up"  # where the loop is, for a worker failure's message
+        self.bad_steps = 0  # consecutive steps whose update had a non-finite gradient
+        self.position = "set-up"  # where the loop is, for a failure's message
 
     @property
     def worker(self):
@@ -62,15 +73,22 @@ class Trainer:
         self.ctx.worker = build_actor_rollout(self.cfg, model_path(self.cfg.model))
         self.algorithm.setup()
         self.ctx.logger = MetricsLogger(self.cfg, self.output_dir)
-        resume = self._resume_dir()
-        if resume is not None:
-            self.load_checkpoint(resume)
+        if self.resume_dir is not None:
+            self.load_checkpoint(self.resume_dir)
 
     def _resume_dir(self) -> Optional[Path]:
+        """The checkpoint to continue from: `trainer.resume`, or with "auto" the newest intact
+        one (damaged ones are named in the log and passed over), after cleaning up what a
+        killed save left behind."""
         resume = self.cfg.trainer.resume
-        if resume == "auto":
-            return checkpoint.latest_checkpoint(self.checkpoint_dir)
-        return Path(resume) if resume else None
+        if resume != "auto":
+            return Path(resume) if resume else None
+        for done in checkpoint.clean_interrupted_writes(self.checkpoint_dir):
+            logger.warning("checkpoints: %s (left by an interrupted save)", done)
+        found, skipped = checkpoint.resumable_checkpoint(self.checkpoint_dir, self.cfg.model.lora)
+        for reason in skipped:
+            logger.warning("trainer.resume=auto passes over a damaged checkpoint: %s", reason)
+        return found
 
     # ----------------------------------------------------------------- evaluation
     def eval_metrics(self, scores: Dict[str, torch.Tensor]) -> Dict[str, float]:
@@ -83,7 +101,9 @@ class Trainer:
         prompts = [p for p in self.ctx.eval_prompts for _ in range(n)]
         seeds = step_seeds(self.cfg.trainer.eval_seed, 0, len(prompts))
         batch = self.worker.generate(prompts, seeds, self.ctx.sampling_options())
-        return self.ctx.reward(batch.images, prompts)
+        scores = self.ctx.reward(batch.images, prompts)
+        valid = self.ctx.reward.finite(scores, self.position)
+        return {name: values[valid] for name, values in scores.items()}
 
     # ----------------------------------------------------------------- training
     def train(self) -> float:
@@ -91,10 +111,15 @@ class Trainer:
         self.position = "the evaluation before training"
         initial = self.evaluate()
         logger.log(self.eval_metrics(initial), self.start_step, echo=tqdm.write, force_console=True)
+        if trainer.eval_only:
+            reward = float(initial["reward"].mean())
+            print(f"eval-only run (trainer.eval_only=true, no training): held-out reward {reward:.4f} at step {self.start_step}")
+            return reward
         bar = tqdm(range(self.start_step, trainer.steps), desc=self.cfg.algorithm.name, disable=not trainer.progress_bar, initial=self.start_step, total=trainer.steps)
         for step in bar:
             self.position = f"training step {step + 1}"
             metrics = self.algorithm.step(step)
+            self.count_bad_step(metrics, step + 1)
             bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.4f}" for k in ("reward/reward", "train/loss") if k in metrics})
             done = step + 1
             if trainer.eval_every and done % trainer.eval_every == 0 and done < trainer.steps:
@@ -110,6 +135,19 @@ class Trainer:
         before, after = float(initial["reward"].mean()), float(final["reward"].mean())
         print(f"eval reward (held-out prompts and seeds): before {before:.4f} -> after {after:.4f}")
         return after
+
+    def count_bad_step(self, metrics: Dict[str, float], step: int) -> None:
+        """A step whose optimizer steps were skipped for a non-finite gradient (the weights
+        kept their values); `trainer.max_bad_steps` of them in a row stop the run."""
+        bad = metrics.get("train/skipped_nonfinite", 0.0) > 0 or not math.isfinite(metrics.get("train/grad_norm", 0.0))
+        self.bad_steps = self.bad_steps + 1 if bad else 0
+        if bad:
+            logger.warning("step %d: non-finite gradient; its optimizer steps were skipped", step)
+        if self.bad_steps >= self.cfg.trainer.max_bad_steps:
+            raise TrainingStopped(
+                f"{self.bad_steps} steps in a row (up to step {step}) had a non-finite loss or gradient "
+                f"(trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}); the weights were not changed by them"
+            )
 
     def write_eval_summary(self, before: torch.Tensor, after: torch.Tensor) -> None:
         """Per-image held-out rewards before and after training (same prompts and seeds)."""
@@ -140,13 +178,23 @@ class Trainer:
 def run(cfg: DictConfig | TrainConfig) -> float:
     """Validate (before any model loads), build, train; returns the final eval reward."""
     cfg = validate(cfg)
-    trainer = Trainer(cfg)
-    try:
-        trainer.setup()
-        return trainer.train()
-    except WorkerFailure as failure:
-        latest = checkpoint.latest_checkpoint(trainer.checkpoint_dir)
-        kept = f"the last checkpoint, {latest}, is intact (trainer.resume=auto continues)" if latest else "no checkpoint was saved yet"
-        raise WorkerFailure(f"{failure}; during {trainer.position}. Training stopped: {kept}") from None
-    finally:
-        trainer.cleanup()
+    with RunLock(Path(cfg.output_dir)):
+        trainer = Trainer(cfg)
+        try:
+            trainer.setup()
+            return trainer.train()
+        except (WorkerFailure, TrainingStopped) as failure:
+            raise type(failure)(f"{failure}; during {trainer.position}. Training stopped: {kept(trainer)}") from None
+        except KeyboardInterrupt:
+            print(f"\ninterrupted during {trainer.position}. {kept(trainer)}", flush=True)
+            raise SystemExit(130) from None
+        finally:
+            trainer.cleanup()
+
+
+def kept(trainer: Trainer) -> str:
+    """What is on disk to continue from, and how."""
+    latest = checkpoint.latest_checkpoint(trainer.checkpoint_dir)
+    if latest is None:
+        return "no checkpoint was saved yet"
+    return f"the last checkpoint, {latest}, is intact; continue with trainer.resume=auto hydra.run.dir={trainer.output_dir}"

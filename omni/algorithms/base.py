@@ -47,10 +47,13 @@ class ScoredRollout:
     prompts: List[str]
     batch: RolloutBatch
     scores: Dict[str, torch.Tensor]  # "reward" and each named component, one per image
+    valid: torch.Tensor  # images whose reward is finite (the others sit the update out)
     timings: Dict[str, float] = field(default_factory=dict)
 
     def reward_metrics(self) -> Dict[str, float]:
-        return {**means(self.scores, "reward/"), "reward/std": float(self.scores["reward"].std())}
+        kept = {name: values[self.valid] for name, values in self.scores.items()}
+        dropped = {"reward/dropped_nonfinite": float((~self.valid).sum())} if not self.valid.all() else {}
+        return {**means(kept, "reward/"), "reward/std": float(kept["reward"].std()), **dropped}
 
 
 def grouped_rollout(ctx: StepContext, step: int, group_size: int, sde_steps: Tuple[int, int]) -> ScoredRollout:
@@ -62,5 +65,6 @@ def grouped_rollout(ctx: StepContext, step: int, group_size: int, sde_steps: Tup
     batch = ctx.worker.generate(prompts, step_seeds(cfg.seed, step, len(prompts)), ctx.sampling_options(sde_steps))
     rollout_s, tick = time.perf_counter() - tick, time.perf_counter()
     scores = ctx.reward(batch.images, prompts)
+    valid = ctx.reward.finite(scores, f"training step {step + 1}")
     ctx.log_images(batch.images, step)
-    return ScoredRollout(prompts, batch, scores, {"time/rollout": rollout_s, "time/reward": time.perf_counter() - tick})
+    return ScoredRollout(prompts, batch, scores, valid, {"time/rollout": rollout_s, "time/reward": time.perf_counter() - tick})

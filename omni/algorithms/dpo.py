@@ -33,6 +33,7 @@ The -beta/2 scaling matches the Diffusion-DPO authors' training script, so their
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,6 +200,7 @@ def update(worker, pairs: PairBatch, seed: int, first: int = 0, total: int = 0) 
         for key, value in out.items():
             sums[key] = sums.get(key, 0.0) + float(value.detach()) * len(rows) / n
     sums["grad_norm"] = worker.optimizer_step()
+    sums["skipped_nonfinite"] = float(not math.isfinite(sums["grad_norm"]))
     return sums
 
 

@@ -12,6 +12,7 @@ Flow-GRPO-Fast samples with the SDE (and trains) only on a window of the steps.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Dict, List
@@ -33,6 +34,22 @@ def group_advantages(rewards: torch.Tensor, group_size: int, global_std: bool = 
     grouped = rewards.reshape(-1, group_size).float()
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     std = rewards.float().std() if global_std else grouped.std(dim=1, keepdim=True)
+    return (centred / (std + eps)).reshape(-1)
+
+
+def masked_group_advantages(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, global_std: bool = False, eps: float = 1e-4):
+    """`group_advantages` over the valid rewards only; an invalid (non-finite) reward gets
+    advantage 0, so its image takes no part in the update."""
+    if valid.all():
+        return group_advantages(rewards, group_size, global_std, eps)
+    mask = valid.reshape(-1, group_size)
+    grouped = torch.where(mask, rewards.reshape(-1, group_size).float(), torch.zeros(()))
+    count = mask.sum(dim=1, keepdim=True)
+    centred = torch.where(mask, grouped - grouped.sum(dim=1, keepdim=True) / count.clamp(min=1), torch.zeros(()))
+    if global_std:
+        std = rewards[valid].float().std()
+    else:
+        std = ((centred**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
     return (centred / (std + eps)).reshape(-1)
 
 
@@ -131,7 +148,8 @@ def minibatch_step(worker, batch: GRPOBatch, samples: torch.Tensor, steps: torch
         worker.backward(loss * weight)
         for key, value in (("loss", loss), ("kl", kl.mean()), ("clip_fraction", clip_fraction), ("ratio", ratio.mean())):
             sums[key] += float(value.detach()) * weight
-    return {**sums, "grad_norm": worker.optimizer_step()}
+    grad_norm = worker.optimizer_step()
+    return {**sums, "grad_norm": grad_norm, "skipped_nonfinite": float(not math.isfinite(grad_norm))}
 
 
 def update(worker, batch: GRPOBatch, seed: int, first: int = 0, total: int = 0) -> Dict[str, float]:
@@ -182,7 +200,7 @@ class FlowGRPO(Algorithm):
         algo, worker = self.cfg.algorithm, self.ctx.worker
         window = self.ctx.sde_window(step, algo.sde_window_size, algo.sde_window_range)
         rollout = grouped_rollout(self.ctx, step, algo.group_size, window)
-        advantages = group_advantages(rollout.scores["reward"], algo.group_size, algo.global_std)
+        advantages = masked_group_advantages(rollout.scores["reward"], rollout.valid, algo.group_size, algo.global_std)
         advantages = clip_advantages(advantages, algo.adv_clip_max)
         tick = time.perf_counter()
         metrics = worker.train(update, GRPOBatch(rollout.batch, advantages), update_seed(self.cfg.seed, step))

@@ -20,12 +20,15 @@ from omni.context import update_seed
 
 
 def best_and_worst(rewards: torch.Tensor, group_size: int, tie_tolerance: float = 1e-8):
-    """Per group of `group_size` consecutive samples: indices of its best and worst sample,
-    for the groups whose rewards do not all tie; and the number of tied groups."""
-    grouped = rewards.reshape(-1, group_size)
-    best, worst = grouped.argmax(dim=1), grouped.argmin(dim=1)
-    spread = grouped.max(dim=1).values - grouped.min(dim=1).values
-    keep = spread > tie_tolerance
+    """Per group of `group_size` consecutive samples: indices of its best and worst sample
+    among those with a finite reward, for the groups whose rewards do not all tie; and the
+    number of groups without a pair (tied, or fewer than two finite rewards)."""
+    grouped = rewards.reshape(-1, group_size).float()
+    finite = torch.isfinite(grouped)
+    best = torch.where(finite, grouped, float("-inf")).argmax(dim=1)
+    worst = torch.where(finite, grouped, float("inf")).argmin(dim=1)
+    spread = grouped.gather(1, best[:, None]) - grouped.gather(1, worst[:, None])
+    keep = (finite.sum(dim=1) >= 2) & (spread[:, 0] > tie_tolerance)
     offsets = torch.arange(len(grouped)) * group_size
     return (best + offsets)[keep], (worst + offsets)[keep], int((~keep).sum())
 

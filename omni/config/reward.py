@@ -6,9 +6,15 @@ size, device, ...), checked at validation. The reward of an image is the weighte
 """
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Dict
 
 from omegaconf import MISSING
+
+
+class NonFinite(str, Enum):
+    fail = "fail"  # a NaN or inf reward stops the step, naming the reward, step and count
+    drop = "drop"  # such images are left out of the update and counted (reward/dropped_nonfinite)
 
 
 @dataclass
@@ -16,3 +22,5 @@ class RewardConfig:
     components: Dict[str, Any] = MISSING
     # Images per scoring call, for components that do not set their own.
     batch_size: int = 64
+    # What a NaN or inf reward does.
+    nonfinite: NonFinite = NonFinite.fail

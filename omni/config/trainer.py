@@ -32,6 +32,11 @@ class TrainerConfig:
     eval_seed: int = 12345
     # Checkpoint every N steps (0: only at the end).
     save_every: int = 0
-    # A checkpoint directory to continue from, or "auto" for the latest in output_dir.
+    # A checkpoint directory to continue from, or "auto" for the newest intact one in output_dir.
     resume: Optional[str] = None
+    # Stop after this many steps in a row whose gradient was not finite (their optimizer
+    # steps are skipped, so the weights stay as they were).
+    max_bad_steps: int = 3
+    # Only evaluate (the initial or resumed policy): needs trainer.steps=0.
+    eval_only: bool = False
     progress_bar: bool = True

@@ -14,6 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from omni.algorithms import get_algorithm
+from omni.checkpoint import DamagedCheckpoint, check_checkpoint
 from omni.config import TrainConfig
 from omni.config.errors import ConfigError, require
 from omni.config.rollout import Engine
@@ -58,7 +59,21 @@ def check_model(model) -> ModelFamily:
     require(bool(model.lora.adapter_name), "model.lora.adapter_name must not be empty")
     require(len(model.lora.target_modules) > 0, "model.lora.target_modules is empty")
     require(model.fsdp.version in (0, 1, 2), f"model.fsdp.version={model.fsdp.version}: expected 0, 1 or 2")
+    check_lora_targets(model, family)
     return family
+
+
+def check_lora_targets(model, family: ModelFamily) -> None:
+    """Every LoRA target names modules of the transformer, found from its config on the meta
+    device (no weights read)."""
+    names = family.module_names(model.path if model.tiny_seed is None else None)
+    unmatched = [t for t in model.lora.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in names if n})
+    require(
+        not unmatched,
+        f"model.lora.target_modules: {unmatched} match no module of the {family.name} transformer; "
+        f"module names end in e.g. {[n for n in leaves if not n.isdigit()][:20]}",
+    )
 
 
 def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
@@ -91,7 +106,14 @@ def check_vllm_rollout(rollout) -> None:
 
 def check_trainer(cfg: TrainConfig) -> None:
     trainer = cfg.trainer
-    require(trainer.steps >= 0, f"trainer.steps={trainer.steps} must be >= 0")
+    if trainer.eval_only:
+        require(trainer.steps == 0, f"trainer.eval_only=true evaluates without training: set trainer.steps=0 (not {trainer.steps})")
+    else:
+        require(
+            trainer.steps >= 1,
+            f"trainer.steps={trainer.steps}: a run trains at least 1 step; to only evaluate, set trainer.eval_only=true trainer.steps=0",
+        )
+    require(trainer.max_bad_steps >= 1, f"trainer.max_bad_steps={trainer.max_bad_steps} must be >= 1")
     require(trainer.lr > 0, f"trainer.lr={trainer.lr} must be positive")
     require(trainer.batch_size > 0, f"trainer.batch_size={trainer.batch_size} must be positive")
     require(trainer.micro_batch_size > 0, f"trainer.micro_batch_size={trainer.micro_batch_size} must be positive")
@@ -104,6 +126,10 @@ def check_trainer(cfg: TrainConfig) -> None:
     )
     if trainer.resume not in (None, "auto"):
         require(Path(trainer.resume).is_dir(), f"trainer.resume={trainer.resume}: no such checkpoint directory")
+        try:
+            check_checkpoint(Path(trainer.resume), cfg.model.lora)
+        except DamagedCheckpoint as error:
+            raise ConfigError(f"trainer.resume={trainer.resume}: {error}") from None
     check_workers(cfg)
 
 
@@ -164,7 +190,7 @@ def check_prompts(data) -> None:
     for key in ("train", "eval"):
         if getattr(data, key) is not None:
             try:
-                load_prompts(getattr(data, key), f"data.{key}")
+                load_prompts(getattr(data, key), f"data.{key}", data.skip_bad_rows)
             except (OSError, ValueError) as error:
                 raise ConfigError(str(error)) from None
 

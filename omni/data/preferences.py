@@ -134,9 +134,14 @@ def _parse_row(row, base_dir: Path) -> PreferencePair:
 
 
 def _jsonl_rows(path: Path) -> Iterator[Tuple[str, object]]:
-    """(where, row) for each non-blank line; a line that is not JSON yields its error."""
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    """(where, row) for each non-blank line; a line that is not UTF-8 JSON yields its error."""
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                yield f"line {number}", BadRow(f"not UTF-8 text ({error.reason} at byte {error.start})")
+                continue
             if not line.strip():
                 continue
             try:

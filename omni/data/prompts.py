@@ -7,12 +7,14 @@ its step number to continue with exactly the prompts it would have seen.
 
 from __future__ import annotations
 
+import logging
 from importlib import resources
 from pathlib import Path
 from typing import List, Sequence, TypeVar
 
 import torch
 
+logger = logging.getLogger(__name__)
 PACKAGE_PREFIX = "omni:"
 T = TypeVar("T")
 
@@ -30,10 +32,22 @@ def resolve_prompt_file(spec: str, key: str) -> Path:
     return path
 
 
-def load_prompts(spec: str, key: str = "data.train") -> List[str]:
-    """Non-empty stripped lines of the file; an empty file is an error naming it."""
+def load_prompts(spec: str, key: str = "data.train", skip_bad_rows: bool = False) -> List[str]:
+    """Non-empty stripped lines of the file; an empty file, or a line that is not UTF-8
+    (unless `skip_bad_rows`, which skips and logs it), is an error naming the file and line."""
     path = resolve_prompt_file(spec, key)
-    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    prompts = []
+    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8").strip()
+        except UnicodeDecodeError as error:
+            message = f"{key}={spec}: {path}, line {number}: not UTF-8 text ({error.reason} at byte {error.start})"
+            if not skip_bad_rows:
+                raise ValueError(message) from None
+            logger.warning("skipping a prompt: %s", message)
+            continue
+        if line:
+            prompts.append(line)
     if not prompts:
         raise ValueError(f"{key}={spec}: the prompt file {path} has no prompts")
     return prompts

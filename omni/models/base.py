@@ -102,6 +102,17 @@ class ModelFamily:
     def transformer_config(self, path: str | os.PathLike) -> dict:
         return self._diffusers(self.transformer_class).load_config(str(path), subfolder="transformer")
 
+    def tiny_transformer_config(self) -> dict:
+        raise NotImplementedError(f"model family {self.name} has no tiny builder")
+
+    def module_names(self, path: Optional[str | os.PathLike]) -> List[str]:
+        """Qualified module names of the transformer of the checkpoint at `path` (None: the
+        tiny model), built on the meta device from its config: no weights are read."""
+        config = self.tiny_transformer_config() if path is None else self.transformer_config(path)
+        with torch.device("meta"):
+            module = self._diffusers(self.transformer_class).from_config(config)
+        return [name for name, _ in module.named_modules()]
+
     def load_transformer(self, path: str | os.PathLike, dtype: torch.dtype):
         cls = self._diffusers(self.transformer_class)
         return cls.from_pretrained(str(path), subfolder="transformer", torch_dtype=dtype, local_files_only=True)

@@ -216,6 +216,9 @@ class SD3Family(ModelFamily):
     def tiny_path(self, cache_dir, seed: int) -> Path:
         return tiny_sd3_path(cache_dir, seed)
 
+    def tiny_transformer_config(self) -> dict:
+        return tiny_transformer_config()
+
     def tiny_resolution_multiple(self) -> int:
         return TINY_VAE_FACTOR * TINY_TRANSFORMER["patch_size"]
 

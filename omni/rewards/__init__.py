@@ -28,10 +28,14 @@ def reward_options(name: str, raw, key: str = "reward.components") -> RewardOpti
     return OmegaConf.to_object(merged)
 
 
+class NonFiniteReward(ValueError):
+    """A reward gave NaN or inf (with reward.nonfinite=fail)."""
+
+
 class WeightedReward:
     """The weighted sum of the configured components, each scored in chunks of its batch size."""
 
-    def __init__(self, components: Mapping[str, object], batch_size: int = 64):
+    def __init__(self, components: Mapping[str, object], batch_size: int = 64, nonfinite: str = "fail"):
         if not components:
             raise ValueError(f"reward.components is empty: name at least one reward, one of {REWARDS.names()}")
         self.rewards: Dict[str, Reward] = {}
@@ -39,6 +43,7 @@ class WeightedReward:
             options = reward_options(name, raw)
             self.rewards[name] = REWARDS.get(name)(name, options)
         self.batch_size = batch_size
+        self.nonfinite = nonfinite
 
     def setup(self) -> None:
         for reward in self.rewards.values():
@@ -52,6 +57,19 @@ class WeightedReward:
         size = reward.options.batch_size or self.batch_size
         parts = [reward.score(images[s : s + size].float().cpu(), prompts[s : s + size]).float() for s in range(0, len(prompts), size)]
         return torch.cat(parts)
+
+    def finite(self, scores: Dict[str, torch.Tensor], where: str) -> torch.Tensor:
+        """The images whose reward is finite. With nonfinite=fail, any other stops here with
+        an error naming the components, `where` and how many images."""
+        valid = torch.isfinite(scores["reward"])
+        if self.nonfinite == "fail" and not valid.all():
+            bad = {name: int((~torch.isfinite(scores[name])).sum()) for name in self.rewards}
+            named = ", ".join(f"'{n}' on {k} of {len(valid)} images" for n, k in bad.items() if k)
+            raise NonFiniteReward(
+                f"non-finite reward during {where}: {named or f'the weighted sum on {int((~valid).sum())} images'}; "
+                f"reward.nonfinite=drop leaves such images out instead"
+            )
+        return valid
 
     def __call__(self, images: torch.Tensor, prompts: List[str]) -> Dict[str, torch.Tensor]:
         """Returns {"reward": total, <name>: component} with one value per image."""

@@ -10,6 +10,7 @@ algorithm's update (`omni.algorithms.<name>.update`) runs on the worker through 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Callable, Dict, Sequence
 
@@ -159,10 +160,14 @@ class ActorRolloutWorker:
         loss.backward()
 
     def optimizer_step(self) -> float:
-        """Clip the gradient norm, step; returns the norm before clipping."""
-        grad_norm = clip_grad_norm(self.actor, self.trainable, self.cfg.trainer.max_grad_norm)
-        self.optimizer.step()
-        return float(grad_norm)
+        """Clip the gradient norm and step; returns the norm before clipping. A non-finite
+        norm (a NaN or inf loss or gradient) skips the step: the weights and the optimizer
+        state keep their values, and the caller sees the norm."""
+        grad_norm = float(clip_grad_norm(self.actor, self.trainable, self.cfg.trainer.max_grad_norm))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
 
     def train(self, update: Callable, batch, seed: int, first: int = 0, total: int = 0) -> Dict[str, float]:
         """Run an algorithm's `update(worker, batch, seed, first, total)` on this worker's

@@ -1,0 +1,70 @@
+"""Checkpoints: resume finds the newest intact one, a damaged one is named and never loaded,
+what a killed save leaves is cleaned up, and one run directory has one writer."""
+
+import pytest
+import torch
+
+from omni import checkpoint
+from omni.config.model import LoraConfig
+from omni.models.sd3 import FAMILY
+from omni.run_lock import RunDirectoryInUse, RunLock
+
+LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["to_q", "to_k"])
+
+
+def fake_lora(rank=4, targets=("to_q", "to_k")):
+    return {
+        f"transformer_blocks.0.attn.{t}.lora_{ab}.weight": torch.ones(shape)
+        for t in targets
+        for ab, shape in (("A", (rank, 16)), ("B", (16, rank)))
+    }
+
+
+def save(root, step, **lora_kwargs):
+    state = {"optimizer": {}, "rng": checkpoint.rng_state(), "config": ""}
+    return checkpoint.save_checkpoint(root, step, fake_lora(**lora_kwargs), LORA, state, FAMILY)
+
+
+def test_resume_skips_damaged_and_missing_checkpoints(tmp_path):
+    save(tmp_path, 2)
+    truncated = save(tmp_path, 4) / checkpoint.LORA_FILE
+    truncated.write_bytes(truncated.read_bytes()[:40])
+    (save(tmp_path, 5) / checkpoint.STATE_FILE).write_bytes(b"not a pickle")
+    (tmp_path / "latest").write_text("step_000009")  # names one that is gone
+    found, skipped = checkpoint.resumable_checkpoint(tmp_path, LORA)
+    assert found == tmp_path / "step_000002"
+    assert len(skipped) == 2 and "step_000005/trainer_state.pt" in skipped[0] and "step_000004/pytorch_lora_weights" in skipped[1]
+
+
+def test_a_damaged_checkpoint_is_never_loaded(tmp_path):
+    damaged = save(tmp_path, 3) / checkpoint.LORA_FILE
+    damaged.write_bytes(b"\x00" * 16)
+    with pytest.raises(checkpoint.DamagedCheckpoint, match="pytorch_lora_weights.safetensors: unreadable"):
+        checkpoint.load_checkpoint(tmp_path / "step_000003", FAMILY)
+
+
+@pytest.mark.parametrize(
+    "lora_kwargs,message", [({"rank": 8}, "rank \\[8\\], but model.lora.rank=4"), ({"targets": ("to_q", "to_v")}, "missing \\['to_k'\\]")]
+)
+def test_a_checkpoint_of_another_lora_is_named(tmp_path, lora_kwargs, message):
+    directory = save(tmp_path, 1, **lora_kwargs)
+    with pytest.raises(checkpoint.DamagedCheckpoint, match=message):
+        checkpoint.check_checkpoint(directory, LORA)
+
+
+def test_interrupted_saves_are_cleaned_and_an_aside_step_restored(tmp_path):
+    save(tmp_path, 1)
+    (tmp_path / ".step_000002.k3j2").mkdir()  # a save killed while writing
+    (tmp_path / "step_000001").rename(tmp_path / ".step_000001.old.x8")  # killed between the renames
+    done = checkpoint.clean_interrupted_writes(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000001"]
+    assert len(done) == 2 and checkpoint.resumable_checkpoint(tmp_path, LORA)[0] == tmp_path / "step_000001"
+
+
+def test_a_second_writer_of_a_run_directory_is_refused(tmp_path):
+    with RunLock(tmp_path):
+        with pytest.raises(RunDirectoryInUse, match=f"{tmp_path} is in use by a running training run"):
+            with RunLock(tmp_path):
+                pass
+    with RunLock(tmp_path):  # released with the first run
+        pass
