@@ -1,6 +1,7 @@
 """Each cross-group rule fails before any model loads, with a message naming the key."""
 
 import pytest
+import torch
 
 from omni.config.validate import ConfigError, validate
 from tests.conftest import compose_config
@@ -35,6 +36,9 @@ BAD = [
     (["model.family=sd4"], "model.family=sd4"),
     (["rollout.guidance_scale=-1"], "rollout.guidance_scale"),
     (["model.path=/ckpt/sd3"], "model.path"),
+    (["model.lora.target_modules=[to_q,to_qq]"], "model.lora.target_modules: ['to_qq']"),
+    (["trainer.steps=0"], "trainer.eval_only"),
+    (["trainer.max_bad_steps=0"], "trainer.max_bad_steps"),
     (["trainer.resume=/nonexistent/ckpt"], "trainer.resume"),
     (["data.train=/nonexistent/prompts.txt"], "data.train"),
     (["data.eval=omni:no_such_set"], "data.eval"),
@@ -74,6 +78,32 @@ def test_bad_config_names_the_key(overrides, key, tiny_cache):
     with pytest.raises(ConfigError) as info:
         validate(cfg)
     assert key in str(info.value)
+
+
+def test_non_utf8_prompt_line_is_named(tmp_path, tiny_cache):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"a red cat\n\xff\xfe a blue dog\na green tree\n")
+    with pytest.raises(ConfigError, match="prompts.txt, line 2: not UTF-8"):
+        validate(compose_config([f"data.train={prompts}", f"model.cache_dir={tiny_cache}"]))
+    validate(compose_config([f"data.train={prompts}", "data.skip_bad_rows=true", f"model.cache_dir={tiny_cache}"]))
+
+
+def test_damaged_resume_directory_is_named_before_loading(tmp_path, tiny_cache):
+    from omni import checkpoint
+    from omni.models.sd3 import FAMILY
+    from omni.weights import lora_tensors, add_lora_adapter
+
+    cfg = validate(compose_config([f"model.cache_dir={tiny_cache}"]))
+    transformer = FAMILY.load_transformer(FAMILY.tiny_path(tiny_cache, 0), torch.float32)
+    add_lora_adapter(transformer, cfg.model.lora)
+    lora = {k: v.detach() for k, v in lora_tensors(transformer, "default").items()}
+    saved = checkpoint.save_checkpoint(tmp_path, 3, lora, cfg.model.lora, {"rng": checkpoint.rng_state()}, FAMILY)
+    validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.resume={saved}"]))
+    with pytest.raises(ConfigError, match="trainer.resume=.*rank \\[8\\], but model.lora.rank=4"):
+        validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.resume={saved}", "model.lora.rank=4"]))
+    (saved / checkpoint.STATE_FILE).write_bytes(b"\x80")
+    with pytest.raises(ConfigError, match="step_000003/trainer_state.pt: unreadable trainer state"):
+        validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.resume={saved}"]))
 
 
 def test_empty_prompt_file_is_named(tmp_path):

@@ -188,3 +188,13 @@ def test_images_to_tensor_resizes_and_center_crops():
     assert batch.min() >= 0 and batch.max() <= 1
     assert torch.allclose(batch[0, :, 10, 10], torch.tensor([0.0, 1.0, 0.0]), atol=0.02)
     assert torch.equal(batch[1], torch.tensor([0.0, 0.0, 1.0]).reshape(3, 1, 1).expand(3, 20, 20))
+
+
+def test_non_utf8_pair_line_is_named_or_skipped(tmp_path, images):
+    good = json.dumps({"prompt": "fine", "chosen": images["red"], "rejected": images["green"]}).encode()
+    jsonl = tmp_path / "pairs.jsonl"
+    jsonl.write_bytes(good + b"\n" + b'{"prompt": "\xe9t\xe9"}\n' + good + b"\n")
+    with pytest.raises(ValueError, match="pairs.jsonl, line 2: not UTF-8 text"):
+        load_preference_pairs(jsonl)
+    pairs, stats = load_preference_pairs(jsonl, skip_bad_rows=True)
+    assert len(pairs) == 2 and stats["skipped_bad"] == 1

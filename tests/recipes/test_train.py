@@ -101,6 +101,8 @@ BAD_INPUT = {
     "resolution": (["rollout.resolution=40"], "rollout.resolution"),
     "reward": (["+reward.components.aesthetic={}"], "reward.components=aesthetic: no such reward"),
     "missing prompts": (["data.train=/nonexistent/prompts.txt"], "data.train=/nonexistent/prompts.txt"),
+    "LoRA targets": (["model.lora.target_modules=[to_qv]"], "model.lora.target_modules: ['to_qv'] match no module"),
+    "no steps": (["trainer.steps=0"], "trainer.eval_only=true"),
 }
 
 
