@@ -21,8 +21,6 @@ class RewardOptions:
     weight: float = 1.0
     # Images per `score` call; None: reward.batch_size.
     batch_size: Optional[int] = None
-    # Where the reward computes (learned rewards); pixel rewards ignore it.
-    device: str = "cpu"
 
 
 class Reward:

@@ -12,6 +12,7 @@ from omni.config.validate import validate
 from omni.context import step_seeds
 from omni.trainer import Trainer
 from tests.conftest import compose_config, training_options
+from tests.workers.test_actor_rollout import rescore
 
 PROMPTS = ["a red cat", "a blue dog"]
 
@@ -68,11 +69,9 @@ def gradients_of_one_update(worker, batch):
 
 
 def all_log_probs(worker, batch):
+    """(sample, SDE step) log-probs of the batch under the actor's current weights."""
+    log_prob, _, _ = rescore(worker, batch, with_reference=False)
     start, stop = batch.options.sde_steps
-    samples = torch.arange(len(batch)).repeat_interleave(stop - start)
-    steps = torch.arange(start, stop).repeat(len(batch))
-    with torch.no_grad():
-        log_prob, _ = flow_grpo.score_transitions(worker, batch, samples, steps, with_reference=False)
     return log_prob.reshape(len(batch), stop - start)
 
 

@@ -31,12 +31,14 @@ def rollout(cfg, worker, step=0, n=4):
     return worker.generate(prompts, list(range(n)), options)
 
 
-def rescore(worker, batch):
+def rescore(worker, batch, with_reference=True):
+    """The actor's log-probs (and KL) of every SDE transition of the batch, sample-major,
+    with the engine's stored log-probs of the same transitions."""
     start, stop = batch.options.sde_steps
     samples = torch.arange(len(batch)).repeat_interleave(stop - start)
     steps = torch.arange(start, stop).repeat(len(batch))
     with torch.no_grad():
-        log_prob, kl = flow_grpo.score_transitions(worker, batch, samples, steps, with_reference=True)
+        log_prob, kl = flow_grpo.score_transitions(worker, batch, samples, steps, with_reference=with_reference)
     return log_prob, batch.log_probs[samples, steps], kl
 
 
