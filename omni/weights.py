@@ -20,7 +20,13 @@ _LORA_KEY = re.compile(rf"\.{_LORA_PART}\.")
 
 
 def peft_lora_config(lora: LoraConfig) -> PeftLoraConfig:
-    return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules), init_lora_weights=True)
+    return PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        target_modules=list(lora.target_modules),
+        exclude_modules=list(lora.exclude_modules) or None,
+        init_lora_weights=True,
+    )
 
 
 def add_lora_adapter(transformer, lora: LoraConfig) -> None:

@@ -193,15 +193,17 @@ def update(worker, pairs: PairBatch, seed: int, first: int = 0, total: int = 0) 
     sigmas, noise = pair_noise(worker.cfg.algorithm, (total or n, *pairs.x0_chosen.shape[1:]), seed)
     sigmas, noise = sigmas[first : first + n], noise[first : first + n]
     worker.zero_grad()
-    sums: Dict[str, float] = {}
-    for rows in torch.arange(n).split(max(1, worker.cfg.trainer.micro_batch_size // 2)):
+    sums: Dict[str, torch.Tensor] = {}  # summed on the device: no sync per micro-batch
+    chunks = torch.arange(n).split(max(1, worker.cfg.trainer.micro_batch_size // 2))
+    for i, rows in enumerate(chunks):
         out = pair_outputs(worker, pairs.select(rows), sigmas[rows], noise[rows])
-        worker.backward(out["loss"] * len(rows) / n)
+        worker.backward(out["loss"] * len(rows) / n, sync=i == len(chunks) - 1)
         for key, value in out.items():
-            sums[key] = sums.get(key, 0.0) + float(value.detach()) * len(rows) / n
-    sums["grad_norm"] = worker.optimizer_step()
-    sums["skipped_nonfinite"] = float(not math.isfinite(sums["grad_norm"]))
-    return sums
+            sums[key] = sums.get(key, 0.0) + value.detach().double() * len(rows) / n
+    metrics = {key: float(value) for key, value in sums.items()}
+    metrics["grad_norm"] = worker.optimizer_step()
+    metrics["skipped_nonfinite"] = float(not math.isfinite(metrics["grad_norm"]))
+    return metrics
 
 
 def evaluate(worker, pairs: PairBatch, seed: int) -> Dict[str, float]:

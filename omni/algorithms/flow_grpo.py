@@ -86,7 +86,7 @@ class GRPOBatch:
         return len(self.rollout)
 
     def select(self, rows: slice) -> "GRPOBatch":
-        return GRPOBatch(self.rollout.select(rows), self.advantages[rows].clone())
+        return GRPOBatch(self.rollout.select(rows, with_images=False), self.advantages[rows].clone())
 
 
 def minibatch_rows(n_samples: int, sde_steps, num_minibatches: int, seed: int, first_sample: int = 0):
@@ -135,9 +135,10 @@ def score_transitions(worker, rollout: RolloutBatch, samples: torch.Tensor, step
 def minibatch_step(worker, batch: GRPOBatch, samples: torch.Tensor, steps: torch.Tensor) -> Dict[str, float]:
     """One optimizer step on the transitions (samples, steps), in micro-batches."""
     algo = worker.cfg.algorithm
-    sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio": 0.0}
+    sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio": 0.0}  # tensors once added to: no sync per micro-batch
     worker.zero_grad()
-    for rows in torch.arange(len(samples)).split(worker.cfg.trainer.micro_batch_size):
+    chunks = torch.arange(len(samples)).split(worker.cfg.trainer.micro_batch_size)
+    for i, rows in enumerate(chunks):
         s, j = samples[rows], steps[rows]
         log_prob, kl = score_transitions(worker, batch.rollout, s, j, with_reference=algo.kl_coef > 0)
         old_log_prob = batch.rollout.log_probs[s, j].to(log_prob.device)
@@ -145,11 +146,12 @@ def minibatch_step(worker, batch: GRPOBatch, samples: torch.Tensor, steps: torch
         policy_loss, ratio, clip_fraction = clipped_policy_loss(log_prob, old_log_prob, adv, algo.clip_range)
         loss = policy_loss + algo.kl_coef * kl.mean()
         weight = len(rows) / len(samples)  # the mean over this worker's rows; FSDP averages the workers
-        worker.backward(loss * weight)
+        worker.backward(loss * weight, sync=i == len(chunks) - 1)
         for key, value in (("loss", loss), ("kl", kl.mean()), ("clip_fraction", clip_fraction), ("ratio", ratio.mean())):
-            sums[key] += float(value.detach()) * weight
+            sums[key] += value.detach().double() * weight
     grad_norm = worker.optimizer_step()
-    return {**sums, "grad_norm": grad_norm, "skipped_nonfinite": float(not math.isfinite(grad_norm))}
+    metrics = {key: float(value) for key, value in sums.items()}
+    return {**metrics, "grad_norm": grad_norm, "skipped_nonfinite": float(not math.isfinite(grad_norm))}
 
 
 def update(worker, batch: GRPOBatch, seed: int, first: int = 0, total: int = 0) -> Dict[str, float]:

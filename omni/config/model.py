@@ -20,6 +20,8 @@ class LoraConfig:
     alpha: float = 16.0
     # None: the model family's default targets (omni/models/<family>.py, `lora_targets`).
     target_modules: Optional[List[str]] = None
+    # Modules left out although a target matches them (a name, or a suffix of one).
+    exclude_modules: List[str] = field(default_factory=list)
     adapter_name: str = "default"
 
 

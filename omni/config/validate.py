@@ -67,6 +67,7 @@ def check_lora_targets(model, family: ModelFamily) -> None:
     """Every LoRA target names modules of the transformer, found from its config on the meta
     device (no weights read)."""
     names = family.module_names(model.path if model.tiny_seed is None else None)
+    names = [n for n in names if not any(n == x or n.endswith("." + x) for x in model.lora.exclude_modules)]
     unmatched = [t for t in model.lora.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
     leaves = sorted({n.rsplit(".", 1)[-1] for n in names if n})
     require(

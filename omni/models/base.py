@@ -105,10 +105,11 @@ class ModelFamily:
     def tiny_transformer_config(self) -> dict:
         raise NotImplementedError(f"model family {self.name} has no tiny builder")
 
-    def module_names(self, path: Optional[str | os.PathLike]) -> List[str]:
+    def module_names(self, path: Optional[str | os.PathLike] = None, config: Optional[dict] = None) -> List[str]:
         """Qualified module names of the transformer of the checkpoint at `path` (None: the
-        tiny model), built on the meta device from its config: no weights are read."""
-        config = self.tiny_transformer_config() if path is None else self.transformer_config(path)
+        tiny model; or of `config`), built on the meta device: no weights are read."""
+        if config is None:
+            config = self.tiny_transformer_config() if path is None else self.transformer_config(path)
         with torch.device("meta"):
             module = self._diffusers(self.transformer_class).from_config(config)
         return [name for name, _ in module.named_modules()]

@@ -31,7 +31,7 @@ class SamplingOptions:
 @dataclass
 class RolloutBatch:
     prompts: List[str]
-    images: torch.Tensor  # (B, 3, H, W) in [0, 1]
+    images: Optional[torch.Tensor]  # (B, 3, H, W) in [0, 1]; None in an update's shard
     latents: torch.Tensor  # (B, T + 1, *latent): x_T ... x_0 in the family's layout
     log_probs: torch.Tensor  # (B, T); 0 on ODE steps
     sigmas: torch.Tensor  # (T + 1,) noise level of each latent
@@ -41,12 +41,12 @@ class RolloutBatch:
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def select(self, rows: slice) -> "RolloutBatch":
+    def select(self, rows: slice, with_images: bool = True) -> "RolloutBatch":
         """Rows `rows` as a batch of its own; copies, so that sending it to a worker sends
-        only these rows (a view would carry its whole buffer)."""
+        only these rows (a view would carry its whole buffer). An update needs no images."""
         return RolloutBatch(
             prompts=self.prompts[rows],
-            images=self.images[rows].clone(),
+            images=self.images[rows].clone() if with_images and self.images is not None else None,
             latents=self.latents[rows].clone(),
             log_probs=self.log_probs[rows].clone(),
             sigmas=self.sigmas,

@@ -156,7 +156,18 @@ class ActorRolloutWorker:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
+        """Accumulate the gradient of `loss`. Across a group, gradients are reduced between
+        the workers only when `sync` (the last micro-batch before an optimizer step), not
+        after every micro-batch."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if hasattr(self.actor, "set_requires_gradient_sync"):  # FSDP2
+            self.actor.set_requires_gradient_sync(sync)
+        elif isinstance(self.actor, FullyShardedDataParallel) and not sync:
+            with self.actor.no_sync():
+                loss.backward()
+            return
         loss.backward()
 
     def optimizer_step(self) -> float:

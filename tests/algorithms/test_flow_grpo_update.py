@@ -151,3 +151,15 @@ def test_two_step_lora_checksum_is_pinned(tiny_cache, tmp_path):
         trainer.cleanup()
     for key, value in PINNED.items():
         assert abs(stats[key] - value) < TOLERANCE[key], stats
+
+
+def test_gradients_are_reduced_once_per_optimizer_step(fresh, monkeypatch):
+    """Across a group, only the last micro-batch's backward reduces the gradients (the
+    2-worker test checks that the update is then the 1-worker one)."""
+    flags = []
+    real = fresh.backward
+    monkeypatch.setattr(fresh, "backward", lambda loss, sync=True: flags.append(sync) or real(loss, sync))
+    monkeypatch.setattr(fresh.cfg.trainer, "micro_batch_size", 7)
+    batch = flow_grpo.GRPOBatch(rollout(fresh, n=4), torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    flow_grpo.update(fresh, batch, seed=0)  # 2 minibatches of 20 transitions: 3 micro-batches each
+    assert flags == [False, False, True] * 2

@@ -22,6 +22,8 @@ def test_experiment_composes_and_validates(name, tiny_cache, tmp_path):
 
     overrides = [f"experiment={name}", f"model.cache_dir={tiny_cache}"]
     cfg = compose_config(overrides, tmp_path)
+    if OmegaConf.is_missing(cfg.data, "train"):  # a preset that asks for the user's prompts
+        overrides.append("data.train=omni:colors_train")
     if cfg.model.tiny_seed is None:
         # a preset for a real model needs a checkpoint: its family's tiny one has the same layout
         cfg = compose_config(overrides + [f"model.path={get_family(cfg.model.family).tiny_path(tiny_cache, 0)}"], tmp_path)
@@ -34,6 +36,28 @@ def test_paper_preset_has_the_paper_settings(tiny_cache, tmp_path):
     assert (cfg.model.lora.rank, cfg.model.lora.alpha, cfg.trainer.lr) == (32, 64, 3e-4)
     assert (cfg.algorithm.clip_range, cfg.algorithm.kl_coef, cfg.algorithm.group_size) == (1e-4, 0.04, 24)
     assert (cfg.rollout.num_steps, cfg.rollout.noise_level, cfg.rollout.guidance_scale, cfg.rollout.resolution) == (10, 0.7, 4.5, 512)
+
+
+def test_paper_preset_trains_the_joint_attention_of_sd35_medium_only(tmp_path):
+    """On the real SD3.5-Medium architecture (meta device, published config), the preset's
+    LoRA covers the joint attention's projections of every block and no attn2 projection."""
+    import json
+    from importlib import resources
+
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    from omni.models.sd3 import FAMILY
+    from omni.weights import peft_lora_config
+
+    lora = compose_config(["experiment=sd3_flow_grpo", "model.path=/ckpt/sd3.5-medium"], tmp_path).model.lora
+    config = json.loads((resources.files("omni") / "models" / "configs" / "sd3.5-medium-transformer.json").read_text())
+    names = FAMILY.module_names(config=config)
+    peft_config = peft_lora_config(OmegaConf.to_object(lora))
+    trained = [n for n in names if n and check_target_module_exists(peft_config, n)]
+    assert trained and not [n for n in trained if ".attn2." in n]
+    blocks = config["num_layers"]
+    # q, k, v, out and the context's q, k, v in every block; the last block has no context output
+    assert len(trained) == 7 * blocks + (blocks - 1)
 
 
 @pytest.mark.parametrize("name", options("hparams_search"))
