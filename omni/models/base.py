@@ -119,14 +119,17 @@ class ModelFamily:
         return cls.from_pretrained(str(path), subfolder="transformer", torch_dtype=dtype, local_files_only=True)
 
     def load_pipeline(self, path: str | os.PathLike, dtype: torch.dtype, load_base: bool = True):
-        """The whole pipeline; without `load_base` its transformer is a random module of the
-        right shape that the first weight sync fills."""
+        """The whole pipeline in `dtype`, but its VAE in fp32 (as the reference recipes keep
+        it: bf16 decoding shifts the pixels a reward sees); without `load_base` the
+        transformer is a random module of the right shape that the first weight sync fills."""
         components = {}
         if not load_base:
             cls = self._diffusers(self.transformer_class)
             components["transformer"] = cls.from_config(self.transformer_config(path)).to(dtype)
         cls = self._diffusers(self.pipeline_class)
-        return cls.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True, **components)
+        pipe = cls.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True, **components)
+        pipe.vae.to(torch.float32)
+        return pipe
 
     # ----------------------------------------------------------------- sampling
     def encode_prompts(self, pipe, prompts: List[str], guidance_scale: float, max_sequence_length: int, device) -> Conditioning:

@@ -79,3 +79,12 @@ def test_two_builds_in_separate_processes_are_identical_files(tmp_path):
     assert files and files == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
     for f in files:
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+
+
+def test_a_bf16_pipeline_keeps_its_vae_in_fp32(tiny_sd3_dir):
+    pipe = FAMILY.load_pipeline(tiny_sd3_dir, torch.bfloat16)
+    assert pipe.transformer.dtype == torch.bfloat16 and pipe.vae.dtype == torch.float32
+    latents = torch.randn(1, 4, 8, 8, dtype=torch.bfloat16)
+    images = FAMILY.decode(pipe, latents, 64)
+    assert images.dtype == torch.float32 and images.shape == (1, 3, 64, 64)
+    assert FAMILY.encode_images(pipe, images, "cpu").shape == (1, 4, 8, 8)
