@@ -1,0 +1,33 @@
+"""scripts/estimate_memory.py counts the real architecture: on a checkpoint we can build, its
+parameter and LoRA counts are those of the loaded model with the run's adapter."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "estimate_memory.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("estimate_memory", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_counts_match_the_loaded_model(tiny_sd3_dir, capsys):
+    from omni.config.model import LoraConfig
+    from omni.models.sd3 import FAMILY
+    from omni.weights import add_lora_adapter
+
+    script = load_script()
+    script.main(["--arch", str(tiny_sd3_dir), "--resolution", "1024", "--micro-batch", "64", "model.lora.rank=4"])
+    rows = json.loads(capsys.readouterr().out)
+    transformer = FAMILY.load_transformer(tiny_sd3_dir, torch.float32)
+    assert rows[0]["params"] == sum(p.numel() for p in transformer.parameters())
+    add_lora_adapter(transformer, LoraConfig(rank=4, target_modules=list(FAMILY.lora_targets)))
+    assert rows[0]["lora_params"] == sum(p.numel() for p in transformer.parameters() if p.requires_grad)
+    plain, checkpointed = (r["gib_per_gpu"]["activations"] for r in rows)
+    assert checkpointed < plain
