@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -25,14 +26,23 @@ def pick_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device(name)
 
 
+# How long a collective waits for the other workers: one rank's rollout or reward can take
+# minutes while the others wait in the update's first all-gather.
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+
+
 def init_process_group(rank: int, world_size: int, device: torch.device) -> None:
-    """Join (or create, for a single worker) the default process group."""
+    """Join (or create, for a single worker) the default process group. On GPUs the group
+    is bound to this worker's device (NCCL then sets up its communicator eagerly, on the
+    right GPU, instead of guessing one at the first collective)."""
     if dist.is_initialized():
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    if device.type == "cuda":
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
 
 
 def destroy_process_group() -> None:
