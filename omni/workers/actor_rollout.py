@@ -73,7 +73,7 @@ class ActorRolloutWorker:
         self.optimizer = torch.optim.AdamW(
             self.trainable, lr=self.cfg.trainer.lr, weight_decay=self.cfg.trainer.weight_decay
         )
-        self.engine = build_engine(self.cfg, self.family, self.model_path, self.device, self.dtype)
+        self.engine = build_engine(self.cfg, self.family, self.model_path, self.device)
         self.sync_weights()
 
     # ----------------------------------------------------------------- sync
@@ -140,17 +140,20 @@ class ActorRolloutWorker:
 
     # ----------------------------------------------------------------- primitives of an update
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A latent or embedding on the actor's device, in its compute dtype."""
-        return tensor.to(self.device, self.dtype)
+        """A latent, noise or embedding on the actor's device, in fp32: an algorithm's math
+        around the transformer stays fp32 whatever the compute dtype (`velocity` casts)."""
+        return tensor.to(self.device, torch.float32)
 
     def velocity(self, latents, sigmas, cond: Conditioning, guidance_scale: float, reference: bool = False) -> torch.Tensor:
         """The actor's velocity (with gradients), or the reference's (adapters disabled, no
-        gradients); inputs already on the device (`to_device`)."""
-        sigmas = sigmas.to(self.device)
+        gradients), in fp32; inputs already on the device (`to_device`), cast here to the
+        transformer's compute dtype."""
+        latents, sigmas = latents.to(self.dtype), sigmas.to(self.device)
+        cond = cond.apply(lambda t: t.to(self.dtype))
         if not reference:
-            return self.family.predict_velocity(self.actor, latents, sigmas, cond, guidance_scale)
+            return self.family.predict_velocity(self.actor, latents, sigmas, cond, guidance_scale).float()
         with torch.no_grad(), adapters_disabled(self.actor):
-            return self.family.predict_velocity(self.actor, latents, sigmas, cond, guidance_scale)
+            return self.family.predict_velocity(self.actor, latents, sigmas, cond, guidance_scale).float()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
