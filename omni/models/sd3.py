@@ -241,9 +241,12 @@ class SD3Family(ModelFamily):
         return torch.stack([torch.randn(channels, size, size, generator=g) for g in generators])
 
     def predict_velocity(self, transformer, latents, sigmas, cond: PromptEmbeds, guidance_scale: float):
-        """The transformer's velocity at noise levels `sigmas` (one per sample), with
-        classifier-free guidance when guidance_scale > 1 (negatives and positives in one pass)."""
-        timesteps = sigmas.to(latents.dtype) * 1000
+        """The transformer's velocity at noise levels `sigmas` (one per sample), in fp32, with
+        classifier-free guidance when guidance_scale > 1 (negatives and positives in one pass).
+        `latents` and `cond` come in the transformer's dtype."""
+        # fp32 timesteps (the transformer's sinusoidal embedding computes in fp32 anyway):
+        # sigma rounded to bf16 before x1000 would be off by up to 2 timesteps
+        timesteps = sigmas.float() * 1000
         if guidance_scale > 1:
             out = transformer(
                 hidden_states=torch.cat([latents, latents]),
@@ -252,7 +255,7 @@ class SD3Family(ModelFamily):
                 pooled_projections=torch.cat([cond.neg_pooled, cond.pooled]),
                 return_dict=False,
             )[0]
-            uncond, text = out.chunk(2)
+            uncond, text = out.float().chunk(2)
             return uncond + guidance_scale * (text - uncond)
         return transformer(
             hidden_states=latents,
@@ -260,7 +263,7 @@ class SD3Family(ModelFamily):
             encoder_hidden_states=cond.embeds,
             pooled_projections=cond.pooled,
             return_dict=False,
-        )[0]
+        )[0].float()
 
     def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:
         vae = pipe.vae
@@ -271,10 +274,10 @@ class SD3Family(ModelFamily):
 
     @torch.no_grad()
     def encode_images(self, pipe, images: torch.Tensor, device) -> torch.Tensor:
-        """Images in [0, 1] -> the transformer's latents (the VAE posterior's mode), on the CPU."""
+        """Images in [0, 1] -> the transformer's latents (the VAE posterior's mode), fp32 on the CPU."""
         vae = pipe.vae
         pixels = (images * 2 - 1).to(device, vae.dtype)
-        latents = vae.encode(pixels).latent_dist.mode()
+        latents = vae.encode(pixels).latent_dist.mode().float()
         return ((latents - vae.config.shift_factor) * vae.config.scaling_factor).cpu()
 
 

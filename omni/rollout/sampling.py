@@ -7,6 +7,10 @@ produce the same latents and log-probs for the same weights, prompts and seeds.
 Randomness is per image: image i draws its initial latent and every step's noise from a
 generator seeded with seeds[i], so an image does not depend on how the batch is split
 into micro-batches, across workers or across engine requests.
+
+Whatever the transformer's dtype, the trajectory (initial latents, noise, every step) and the
+log-probs are fp32: only the transformer's input is cast to its dtype, and its velocity comes
+back as fp32, so a bf16 transformer does not round the numbers the importance ratio compares.
 """
 
 from __future__ import annotations
@@ -32,14 +36,14 @@ def encode_each_prompt(family: ModelFamily, pipe, prompts: Sequence[str], option
 def sample_trajectories(
     family: ModelFamily, pipe, cond: Conditioning, seeds: Sequence[int], sigmas: torch.Tensor, options: SamplingOptions, device, dtype
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One micro-batch: (latents (B, T+1, ...), log_probs (B, T), images (B, 3, H, W)) on
-    the CPU. `dtype` is the transformer's, read once by the caller (reading a module's dtype
+    """One micro-batch: (latents (B, T+1, ...), log_probs (B, T), images (B, 3, H, W)), fp32
+    on the CPU. `dtype` is the transformer's, read once by the caller (reading a module's dtype
     walks all its parameters)."""
     transformer = pipe.transformer
     generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
 
     def draw() -> torch.Tensor:
-        return family.initial_latents(pipe, generators, options.resolution).to(device, dtype)
+        return family.initial_latents(pipe, generators, options.resolution).to(device, torch.float32)
 
     x = draw()
     trajectory, log_probs = [x], []
@@ -47,7 +51,7 @@ def sample_trajectories(
     sigma_max = float(sigmas[1])
     for i in range(options.num_steps):
         sigma = sigmas[i].expand(len(seeds)).to(device)
-        velocity = family.predict_velocity(transformer, x, sigma, cond, options.guidance_scale)
+        velocity = family.predict_velocity(transformer, x.to(dtype), sigma, cond, options.guidance_scale).float()
         if start <= i < stop:
             x, log_prob, _, _ = sde_step(velocity, x, sigmas[i], sigmas[i + 1], sigma_max, options.noise_level, noise=draw())
         else:
@@ -55,7 +59,7 @@ def sample_trajectories(
         trajectory.append(x)
         log_probs.append(log_prob)
     images = family.decode(pipe, x, options.resolution)
-    return torch.stack(trajectory, 1).cpu(), torch.stack(log_probs, 1).float().cpu(), images.cpu()
+    return torch.stack(trajectory, 1).cpu(), torch.stack(log_probs, 1).cpu(), images.cpu()
 
 
 @torch.no_grad()

@@ -11,6 +11,9 @@ marginals whose step is Gaussian:
 so the log-probability of the step taken is a Gaussian log-density; it is averaged over
 the latent's elements, as in the paper. Both the rollout engine and the actor call these
 functions, so the log-probs they compute agree by construction.
+
+The step and its log-prob are computed in at least fp32 whatever the transformer's dtype:
+in bf16 a log-prob is off by about 1e-3, ten times the ratio's clip range.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def sde_std(sigma: torch.Tensor, sigma_max: float, noise_level: float) -> torch.
 
 def sde_mean_and_scale(velocity, sample, sigma, sigma_next, sigma_max, noise_level):
     """Mean and standard deviation of the Gaussian SDE step from `sample` at `sigma`."""
+    velocity, sample = _at_least_fp32(velocity), _at_least_fp32(sample)
     sigma = _per_sample(sigma, sample)
     sigma_next = _per_sample(sigma_next, sample)
     dt = sigma_next - sigma
@@ -50,13 +54,19 @@ def sde_step(velocity, sample, sigma, sigma_next, sigma_max, noise_level, noise=
     actor re-scoring a stored trajectory). Returns (x', log_prob, mean, scale)."""
     mean, scale = sde_mean_and_scale(velocity, sample, sigma, sigma_next, sigma_max, noise_level)
     if next_sample is None:
-        next_sample = mean + scale * noise
+        next_sample = mean + scale * _at_least_fp32(noise)
+    next_sample = _at_least_fp32(next_sample)
     return next_sample, gaussian_log_prob(next_sample, mean, scale), mean, scale
 
 
 def ode_step(velocity, sample, sigma, sigma_next):
     """The deterministic Euler step of the probability-flow ODE."""
+    velocity, sample = _at_least_fp32(velocity), _at_least_fp32(sample)
     return sample + (_per_sample(sigma_next, sample) - _per_sample(sigma, sample)) * velocity
+
+
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def _per_sample(value, like: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,16 @@ def torch_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def fp32_masters(module: torch.nn.Module) -> None:
+    """Trainable parameters (the LoRA) in fp32, the frozen base left in the model's dtype: a
+    bf16 master would round away an Adam step smaller than half its ulp (lr 3e-4 on a
+    typical LoRA weight). PEFT's LoRA layers cast their input to the LoRA's dtype and their
+    output back to the base layer's."""
+    for param in module.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()
+
+
 @contextlib.contextmanager
 def adapters_disabled(module: torch.nn.Module):
     """The reference policy: the same transformer with its LoRA switched off."""
@@ -69,7 +79,8 @@ class ActorRolloutWorker:
         actor = self.family.load_transformer(self.model_path, self.dtype)
         actor.requires_grad_(False)
         add_lora_adapter(actor, self.lora_cfg)
-        self.actor = wrap_fsdp(actor, fsdp_version, self.cfg.model.fsdp.layer_prefixes, self.device)
+        fp32_masters(actor)
+        self.actor = wrap_fsdp(actor, fsdp_version, self.cfg.model.fsdp.layer_prefixes, self.device, self.dtype)
         self.trainable = [p for p in self.actor.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.trainable, lr=self.cfg.trainer.lr, weight_decay=self.cfg.trainer.weight_decay
@@ -141,17 +152,20 @@ class ActorRolloutWorker:
 
     # ----------------------------------------------------------------- primitives of an update
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A latent or embedding on the actor's device, in its compute dtype."""
-        return tensor.to(self.device, self.dtype)
+        """A latent, noise or embedding on the actor's device, in fp32: an algorithm's math
+        around the transformer stays fp32 whatever the compute dtype (`velocity` casts)."""
+        return tensor.to(self.device, torch.float32)
 
     def velocity(self, latents, sigmas, cond: Conditioning, guidance_scale: float, reference: bool = False) -> torch.Tensor:
         """The actor's velocity (with gradients), or the reference's (adapters disabled, no
-        gradients); inputs already on the device (`to_device`)."""
-        sigmas = sigmas.to(self.device)
+        gradients), in fp32; inputs already on the device (`to_device`), cast here to the
+        transformer's compute dtype."""
+        latents, sigmas = latents.to(self.dtype), sigmas.to(self.device)
+        cond = cond.apply(lambda t: t.to(self.dtype))
         if not reference:
-            return self.family.predict_velocity(self.actor, latents, sigmas, cond, guidance_scale)
+            return self.family.predict_velocity(self.actor, latents, sigmas, cond, guidance_scale).float()
         with torch.no_grad(), adapters_disabled(self.actor):
-            return self.family.predict_velocity(self.actor, latents, sigmas, cond, guidance_scale)
+            return self.family.predict_velocity(self.actor, latents, sigmas, cond, guidance_scale).float()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

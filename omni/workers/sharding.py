@@ -3,6 +3,12 @@
 The blocks are the children of the containers named by `model.fsdp.layer_prefixes`
 (`transformer_blocks.` for SD3), so the units FSDP gathers are the units that
 `collect_lora_params(layered_summon=True)` summons one at a time.
+
+With a compute dtype below fp32 (`model.dtype=bfloat16`) the trainable parameters are fp32
+masters next to a frozen base in the compute dtype. FSDP2 keeps each parameter's dtype and
+computes in bf16 through a `MixedPrecisionPolicy`; FSDP1 flattens each unit into one tensor
+of a single dtype, so its whole module is made fp32 and `MixedPrecision` computes in bf16.
+Gradients are reduced in fp32 in both.
 """
 
 from __future__ import annotations
@@ -23,29 +29,36 @@ def block_names(module: nn.Module, layer_prefixes: Sequence[str]) -> List[str]:
     return names
 
 
-def wrap_fsdp(module: nn.Module, version: int, layer_prefixes: Sequence[str], device: torch.device) -> nn.Module:
+def wrap_fsdp(
+    module: nn.Module, version: int, layer_prefixes: Sequence[str], device: torch.device, dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """`module` on `device`, unwrapped (version 0) or sharded per block; `dtype` is the
+    compute dtype (the frozen base's)."""
     if version == 0:
         return module.to(device)
     blocks = [module.get_submodule(name) for name in block_names(module, layer_prefixes)]
+    mixed = dtype != torch.float32
     if version == 1:
-        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
         from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
         block_ids = {id(b) for b in blocks}
         policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in block_ids)
         return FullyShardedDataParallel(
-            module.to(device),
+            module.to(device, torch.float32) if mixed else module.to(device),
             auto_wrap_policy=policy,
             use_orig_params=True,  # frozen base and trainable LoRA share units
             device_id=device,  # also on CPU: without it FSDP1 looks for an accelerator
+            mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype) if mixed else None,
         )
     if version == 2:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         module.to(device)
+        mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
         for block in blocks:
-            fully_shard(block)
-        fully_shard(module)
+            fully_shard(block, mp_policy=mp_policy)
+        fully_shard(module, mp_policy=mp_policy)
         return module
     raise ValueError(f"model.fsdp.version={version}: expected 0 (none), 1 or 2")
 
