@@ -30,8 +30,13 @@ def peft_lora_config(lora: LoraConfig) -> PeftLoraConfig:
 
 
 def add_lora_adapter(transformer, lora: LoraConfig) -> None:
-    """Inject a LoRA adapter named `lora.adapter_name` (B = 0, so outputs are unchanged)."""
+    """Inject a LoRA adapter named `lora.adapter_name` (B = 0, so outputs are unchanged), its
+    weights in fp32 whatever the base's dtype: the actor's trainable masters must not round
+    Adam's steps away, and the engine computes the LoRA exactly as the actor does (PEFT casts
+    the input to the LoRA's dtype and the result back to the base layer's)."""
     transformer.add_adapter(peft_lora_config(lora), adapter_name=lora.adapter_name)
+    for param in lora_tensors(transformer, lora.adapter_name).values():
+        param.data = param.data.float()
 
 
 def is_lora_name(name: str) -> bool:

@@ -32,16 +32,6 @@ def torch_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def fp32_masters(module: torch.nn.Module) -> None:
-    """Trainable parameters (the LoRA) in fp32, the frozen base left in the model's dtype: a
-    bf16 master would round away an Adam step smaller than half its ulp (lr 3e-4 on a
-    typical LoRA weight). PEFT's LoRA layers cast their input to the LoRA's dtype and their
-    output back to the base layer's."""
-    for param in module.parameters():
-        if param.requires_grad:
-            param.data = param.data.float()
-
-
 @contextlib.contextmanager
 def adapters_disabled(module: torch.nn.Module):
     """The reference policy: the same transformer with its LoRA switched off."""
@@ -79,7 +69,6 @@ class ActorRolloutWorker:
         actor = self.family.load_transformer(self.model_path, self.dtype)
         actor.requires_grad_(False)
         add_lora_adapter(actor, self.lora_cfg)
-        fp32_masters(actor)
         self.actor = wrap_fsdp(actor, fsdp_version, self.cfg.model.fsdp.layer_prefixes, self.device, self.dtype)
         self.trainable = [p for p in self.actor.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(

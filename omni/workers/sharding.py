@@ -55,7 +55,9 @@ def wrap_fsdp(
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         module.to(device)
-        mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+        # each parameter computes in its own dtype (the base in `dtype`, the LoRA in fp32, as
+        # in the rollout engine); gradients are reduced in fp32
+        mp_policy = MixedPrecisionPolicy(reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
         for block in blocks:
             fully_shard(block, mp_policy=mp_policy)
         fully_shard(module, mp_policy=mp_policy)

@@ -89,7 +89,6 @@ def _rank(rank: int, world: int, port: int, version: int, out: str) -> None:
     from omni.fsdp_utils import collect_lora_params
     from omni.models.sd3 import FAMILY, build_tiny_transformer
     from omni.weights import add_lora_adapter
-    from omni.workers.actor_rollout import fp32_masters
     from omni.workers.sharding import wrap_fsdp
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -97,7 +96,6 @@ def _rank(rank: int, world: int, port: int, version: int, out: str) -> None:
     try:
         model = build_tiny_transformer(0).to(torch.bfloat16).requires_grad_(False)
         add_lora_adapter(model, LoraConfig(rank=4, alpha=8.0, target_modules=list(FAMILY.lora_targets)))
-        fp32_masters(model)
         model = wrap_fsdp(model, version, FAMILY.layer_prefixes, torch.device("cpu"), torch.bfloat16)
         trainable = [p for p in model.parameters() if p.requires_grad]
         adam = torch.optim.AdamW(trainable, lr=1e-3)
