@@ -49,5 +49,8 @@ class ModelConfig:
     resolution: int = 512
     guidance_scale: float = 4.5
     max_sequence_length: int = 256
+    # Recompute each transformer block's activations in the backward pass instead of keeping
+    # them (python scripts/estimate_memory.py shows what it saves).
+    gradient_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

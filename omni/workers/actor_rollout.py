@@ -69,6 +69,8 @@ class ActorRolloutWorker:
         actor = self.family.load_transformer(self.model_path, self.dtype)
         actor.requires_grad_(False)
         add_lora_adapter(actor, self.lora_cfg)
+        if self.cfg.model.gradient_checkpointing:
+            actor.enable_gradient_checkpointing()  # per block, before FSDP wraps the blocks
         self.actor = wrap_fsdp(actor, fsdp_version, self.cfg.model.fsdp.layer_prefixes, self.device, self.dtype)
         self.trainable = [p for p in self.actor.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(

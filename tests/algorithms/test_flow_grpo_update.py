@@ -163,3 +163,32 @@ def test_gradients_are_reduced_once_per_optimizer_step(fresh, monkeypatch):
     batch = flow_grpo.GRPOBatch(rollout(fresh, n=4), torch.tensor([1.0, -1.0, 0.5, -0.5]))
     flow_grpo.update(fresh, batch, seed=0)  # 2 minibatches of 20 transitions: 3 micro-batches each
     assert flags == [False, False, True] * 2
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(fresh, tiny_cache, tmp_path):
+    from omni.trainer import model_path
+    from omni.workers.actor_rollout import ActorRolloutWorker
+
+    cfg = validate(compose_config([f"model.cache_dir={tiny_cache}", "trainer.micro_batch_size=64", "model.gradient_checkpointing=true"], tmp_path))
+    checkpointed = ActorRolloutWorker(cfg, model_path(cfg.model))
+    checkpointed.setup()
+    hooks = []
+    try:
+        assert checkpointed.actor.gradient_checkpointing
+        randomise_lora(fresh)
+        with torch.no_grad():
+            for mine, theirs in zip(checkpointed.trainable, fresh.trainable):
+                mine.copy_(theirs)
+        batch = flow_grpo.GRPOBatch(rollout(fresh), torch.tensor([1.0, -1.0, 0.5, -0.5]))
+        calls = {id(fresh): 0, id(checkpointed): 0}
+        hooks = [
+            w.actor.transformer_blocks[0].register_forward_pre_hook(lambda *_, key=id(w): calls.__setitem__(key, calls[key] + 1))
+            for w in (fresh, checkpointed)
+        ]
+        for plain, recomputed in zip(gradients_of_one_update(fresh, batch), gradients_of_one_update(checkpointed, batch)):
+            assert plain.norm() > 0 and torch.allclose(plain, recomputed, rtol=1e-4, atol=1e-7)
+        assert calls[id(checkpointed)] == 2 * calls[id(fresh)] > 0  # the backward recomputed the block
+    finally:
+        for hook in hooks:
+            hook.remove()
+        checkpointed.shutdown()
