@@ -47,13 +47,14 @@ def arch_config(name_or_path: str) -> dict:
 
 def count(config: dict, lora) -> dict:
     """Parameters of the transformer, of its largest block, and of the LoRA `lora` puts on it."""
-    from diffusers import SD3Transformer2DModel
     from peft.tuners.tuners_utils import check_target_module_exists
 
+    from omni.models import get_family
     from omni.weights import peft_lora_config
 
-    with torch.device("meta"):
-        model = SD3Transformer2DModel.from_config(config)
+    family = get_family("sd3")
+    model = family.meta_transformer(config=config)
+    blocks = [block for prefix in family.layer_prefixes for block in model.get_submodule(prefix.rstrip(".")).children()]
     peft_config = peft_lora_config(lora)
     lora_params = sum(
         lora.rank * (m.in_features + m.out_features)
@@ -62,7 +63,7 @@ def count(config: dict, lora) -> dict:
     )
     return {
         "params": sum(p.numel() for p in model.parameters()),
-        "block_params": max(sum(p.numel() for p in b.parameters()) for b in model.transformer_blocks),
+        "block_params": max(sum(p.numel() for p in b.parameters()) for b in blocks),
         "lora_params": lora_params,
         "hidden": config["num_attention_heads"] * config["attention_head_dim"],
         "blocks": config["num_layers"],

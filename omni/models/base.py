@@ -105,14 +105,17 @@ class ModelFamily:
     def tiny_transformer_config(self) -> dict:
         raise NotImplementedError(f"model family {self.name} has no tiny builder")
 
-    def module_names(self, path: Optional[str | os.PathLike] = None, config: Optional[dict] = None) -> List[str]:
-        """Qualified module names of the transformer of the checkpoint at `path` (None: the
-        tiny model; or of `config`), built on the meta device: no weights are read."""
+    def meta_transformer(self, path: Optional[str | os.PathLike] = None, config: Optional[dict] = None):
+        """The transformer of the checkpoint at `path` (None: the tiny model; or of `config`)
+        built on the meta device: its structure and sizes, no weights read or allocated."""
         if config is None:
             config = self.tiny_transformer_config() if path is None else self.transformer_config(path)
         with torch.device("meta"):
-            module = self._diffusers(self.transformer_class).from_config(config)
-        return [name for name, _ in module.named_modules()]
+            return self._diffusers(self.transformer_class).from_config(config)
+
+    def module_names(self, path: Optional[str | os.PathLike] = None, config: Optional[dict] = None) -> List[str]:
+        """Qualified module names of `meta_transformer(path, config)`."""
+        return [name for name, _ in self.meta_transformer(path, config).named_modules()]
 
     def load_transformer(self, path: str | os.PathLike, dtype: torch.dtype):
         cls = self._diffusers(self.transformer_class)
