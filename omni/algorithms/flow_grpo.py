@@ -127,9 +127,9 @@ def score_transitions(worker, rollout: RolloutBatch, samples: torch.Tensor, step
 
     _, log_prob, mean, scale = step_of(reference=False)
     if not with_reference:
-        return log_prob.float(), torch.zeros_like(log_prob, dtype=torch.float32)
+        return log_prob, torch.zeros_like(log_prob)
     _, _, ref_mean, _ = step_of(reference=True)
-    return log_prob.float(), gaussian_step_kl(mean.float(), ref_mean.float(), scale.float())
+    return log_prob, gaussian_step_kl(mean, ref_mean, scale)
 
 
 def minibatch_step(worker, batch: GRPOBatch, samples: torch.Tensor, steps: torch.Tensor) -> Dict[str, float]:

@@ -148,6 +148,9 @@ class ModelFamily:
         raise NotImplementedError
 
     def predict_velocity(self, transformer, latents, sigmas, cond: Conditioning, guidance_scale: float) -> torch.Tensor:
+        """The flow-matching velocity at noise levels `sigmas` (one per sample), with the
+        family's guidance; `latents` and `cond` come in the transformer's dtype and the
+        velocity goes back in fp32, so the SDE step and its log-prob stay fp32 around it."""
         raise NotImplementedError
 
     def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:

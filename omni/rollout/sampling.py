@@ -51,7 +51,7 @@ def sample_trajectories(
     sigma_max = float(sigmas[1])
     for i in range(options.num_steps):
         sigma = sigmas[i].expand(len(seeds)).to(device)
-        velocity = family.predict_velocity(transformer, x.to(dtype), sigma, cond, options.guidance_scale).float()
+        velocity = family.predict_velocity(transformer, x.to(dtype), sigma, cond, options.guidance_scale)
         if start <= i < stop:
             x, log_prob, _, _ = sde_step(velocity, x, sigmas[i], sigmas[i + 1], sigma_max, options.noise_level, noise=draw())
         else:

@@ -154,9 +154,9 @@ class ActorRolloutWorker:
         latents, sigmas = latents.to(self.dtype), sigmas.to(self.device)
         cond = cond.apply(lambda t: t.to(self.dtype))
         if not reference:
-            return self.family.predict_velocity(self.actor, latents, sigmas, cond, guidance_scale).float()
+            return self.family.predict_velocity(self.actor, latents, sigmas, cond, guidance_scale)
         with torch.no_grad(), adapters_disabled(self.actor):
-            return self.family.predict_velocity(self.actor, latents, sigmas, cond, guidance_scale).float()
+            return self.family.predict_velocity(self.actor, latents, sigmas, cond, guidance_scale)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

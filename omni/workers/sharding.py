@@ -5,10 +5,10 @@ The blocks are the children of the containers named by `model.fsdp.layer_prefixe
 `collect_lora_params(layered_summon=True)` summons one at a time.
 
 With a compute dtype below fp32 (`model.dtype=bfloat16`) the trainable parameters are fp32
-masters next to a frozen base in the compute dtype. FSDP2 keeps each parameter's dtype and
-computes in bf16 through a `MixedPrecisionPolicy`; FSDP1 flattens each unit into one tensor
-of a single dtype, so its whole module is made fp32 and `MixedPrecision` computes in bf16.
-Gradients are reduced in fp32 in both.
+masters next to a frozen base in the compute dtype. FSDP2 keeps each parameter's own dtype
+(the base computes in bf16, the LoRA in fp32, as in the rollout engine); FSDP1 flattens each
+unit into one tensor of a single dtype, so its whole module is made fp32 and `MixedPrecision`
+computes everything, the LoRA too, in bf16. Gradients are reduced in fp32 in both.
 """
 
 from __future__ import annotations
