@@ -34,6 +34,19 @@ class RolloutConfig:
     load_base: bool = True
     # Gather one FSDP unit at a time when syncing; needs the base already in the engine.
     layered_summon: bool = False
+    # The in-process engine samples with the actor's own transformer: one copy per device
+    # and no weight sync. None: wherever that is possible (rollout.engine=diffusers with one
+    # worker or FSDP2); false: the engine loads its own copy and gets the weights by sync.
+    share_actor: Optional[bool] = None
+    # Keep the text encoders on the CPU between encodings (each prompt's conditioning is
+    # cached); they visit the device only to encode prompts not seen lately.
+    offload_text_encoders: bool = True
+
+
+def shares_actor(cfg) -> bool:
+    """Whether the engine samples with the actor's transformer (`rollout.share_actor`)."""
+    possible = Engine(cfg.rollout.engine) == Engine.diffusers and (cfg.trainer.n_workers == 1 or cfg.model.fsdp.version == 2)
+    return possible if cfg.rollout.share_actor is None else cfg.rollout.share_actor
 
 
 @dataclass

@@ -90,10 +90,27 @@ def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
     require(rollout.noise_level > 0, f"rollout.noise_level={rollout.noise_level} must be positive")
     require(rollout.guidance_scale >= 0, f"rollout.guidance_scale={rollout.guidance_scale} must be >= 0 (1 or less: no CFG)")
     require(rollout.micro_batch_size > 0, "rollout.micro_batch_size must be positive")
+    check_share_actor(cfg)
     require(
         not (rollout.layered_summon and not rollout.load_base),
         "rollout.layered_summon=true needs the base weights already in the engine, but "
         "rollout.load_base=false starts it without them; set rollout.load_base=true or layered_summon=false",
+    )
+
+
+def check_share_actor(cfg: TrainConfig) -> None:
+    if not cfg.rollout.share_actor:
+        return
+    require(
+        cfg.rollout.engine == Engine.diffusers,
+        f"rollout.share_actor=true with rollout.engine={cfg.rollout.engine.value}: only the in-process "
+        "diffusers engine can sample with the actor's transformer; set rollout.share_actor=false",
+    )
+    require(
+        cfg.trainer.n_workers == 1 or cfg.model.fsdp.version == 2,
+        f"rollout.share_actor=true with model.fsdp.version={cfg.model.fsdp.version} and trainer.n_workers="
+        f"{cfg.trainer.n_workers}: a shared transformer is gathered for sampling with FSDP2 only; "
+        "set model.fsdp.version=2 or rollout.share_actor=false",
     )
 
 

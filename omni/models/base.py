@@ -121,12 +121,15 @@ class ModelFamily:
         cls = self._diffusers(self.transformer_class)
         return cls.from_pretrained(str(path), subfolder="transformer", torch_dtype=dtype, local_files_only=True)
 
-    def load_pipeline(self, path: str | os.PathLike, dtype: torch.dtype, load_base: bool = True):
+    def load_pipeline(self, path: str | os.PathLike, dtype: torch.dtype, load_base: bool = True, without_transformer: bool = False):
         """The whole pipeline in `dtype`, but its VAE in fp32 (as the reference recipes keep
         it: bf16 decoding shifts the pixels a reward sees); without `load_base` the
-        transformer is a random module of the right shape that the first weight sync fills."""
+        transformer is a random module of the right shape that the first weight sync fills;
+        `without_transformer` leaves it out (None) for the caller to set."""
         components = {}
-        if not load_base:
+        if without_transformer:
+            components["transformer"] = None
+        elif not load_base:
             cls = self._diffusers(self.transformer_class)
             components["transformer"] = cls.from_config(self.transformer_config(path)).to(dtype)
         cls = self._diffusers(self.pipeline_class)

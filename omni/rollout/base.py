@@ -2,8 +2,8 @@
 
 An engine samples images with SDE steps and reports what the actor needs to re-score them
 (the latent trajectory, per-step log-probs, the noise levels and the text embeddings). It
-keeps its own inference copy of the transformer, updated only through `update_weights`
-with tensors from `omni.fsdp_utils.collect_lora_params`.
+samples with the actor's own transformer (in process) or keeps its own inference copy,
+updated only through `update_weights` with tensors from `omni.fsdp_utils.collect_lora_params`.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ class RolloutBatch:
 class RolloutEngine(Protocol):
     # Whether the engine holds the base weights (loaded itself, or received in a sync).
     has_base: bool
+    # Whether it samples with the actor's own transformer (then no sync is needed).
+    shares_actor: bool
 
     def generate(self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions) -> RolloutBatch: ...
 

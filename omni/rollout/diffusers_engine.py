@@ -2,40 +2,86 @@
 
 The sampling itself is `omni.rollout.sampling.sample_rollout`, shared with the vLLM-Omni
 engine's pipeline, so both engines give the same trajectories for the same weights.
+
+The engine either holds its own copy of the transformer, updated by weight syncs, or
+samples with the actor's own transformer (`rollout.share_actor`): then one copy lives on
+each device, a sync has nothing to send, and the rollout is the actor's policy by
+construction. A transformer sharded with FSDP2 is gathered once per rollout, so the
+sampling forwards run without collectives (and workers need not run them in lockstep).
 """
 
 from __future__ import annotations
 
 from typing import Dict, Optional, Sequence
 
+import contextlib
+
 import torch
 
 from omni.config.model import LoraConfig
 from omni.models.base import Conditioning, ModelFamily
 from omni.rollout.base import RolloutBatch, SamplingOptions
-from omni.rollout.sampling import sample_rollout
+from omni.rollout.sampling import PromptCache, sample_rollout
 from omni.weights import add_lora_adapter, load_base_weights, load_lora_weights
 
 
 class DiffusersEngine:
-    def __init__(self, family: ModelFamily, pipe, device: torch.device, micro_batch_size: int, has_base: bool = True):
+    def __init__(
+        self,
+        family: ModelFamily,
+        pipe,
+        device: torch.device,
+        dtype: torch.dtype,
+        micro_batch_size: int,
+        has_base: bool = True,
+        actor=None,
+        offload_text_encoders: bool = False,
+    ):
+        """`actor`: the trained transformer to sample with (shared, not copied); None: the
+        pipeline's own transformer, which syncs update. `offload_text_encoders`: see
+        `PromptCache`."""
         self.family = family
-        self.pipe = pipe.to(device)
+        self.prompts = PromptCache(family, pipe, device, offload_text_encoders)
+        for name, component in pipe.components.items():
+            if isinstance(component, torch.nn.Module) and name not in family.text_encoders:
+                component.to(device)
+        self.prompts.place_encoders()
+        self.pipe = pipe
         self.pipe.set_progress_bar_config(disable=True)
-        self.transformer = pipe.transformer.eval().requires_grad_(False)
-        # read once: a module's `.dtype` walks all its parameters on every access
-        self.dtype = self.transformer.dtype
+        self.shares_actor = actor is not None
+        if self.shares_actor:
+            pipe.transformer = actor
+        else:
+            pipe.transformer.eval().requires_grad_(False)
+        self.transformer = pipe.transformer
+        self.dtype = dtype
         self.device = device
         self.micro_batch_size = micro_batch_size
-        self.has_base = has_base
+        self.has_base = has_base or self.shares_actor
         self.adapter_name: Optional[str] = None
 
     def generate(self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions) -> RolloutBatch:
-        return sample_rollout(self.family, self.pipe, prompts, seeds, options, self.micro_batch_size, self.device, self.dtype)
+        with self._sampling_mode():
+            return sample_rollout(
+                self.family, self.pipe, prompts, seeds, options, self.micro_batch_size, self.device, self.dtype, self.prompts
+            )
+
+    @contextlib.contextmanager
+    def _sampling_mode(self):
+        """The shared actor in eval mode and, under FSDP2, gathered for the whole rollout."""
+        if not self.shares_actor:
+            yield
+            return
+        training = self.transformer.training
+        self.transformer.eval()
+        try:
+            with gathered(self.transformer):
+                yield
+        finally:
+            self.transformer.train(training)
 
     def encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> Conditioning:
-        cond = self.family.encode_prompts(self.pipe, list(prompts), guidance_scale, max_sequence_length, self.device)
-        return cond.apply(lambda t: t.cpu())
+        return self.prompts.encode(prompts, guidance_scale, max_sequence_length).apply(lambda t: t.cpu())
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         """Images in [0, 1] -> the transformer's latents (the VAE posterior's mode)."""
@@ -43,6 +89,8 @@ class DiffusersEngine:
 
     def update_weights(self, named_tensors: Dict[str, torch.Tensor], base_sync_done: bool, lora: Optional[LoraConfig]) -> None:
         """Base weights (base_sync_done False) or the LoRA of `lora.adapter_name`."""
+        if self.shares_actor:
+            raise RuntimeError("the engine samples with the actor's transformer: there is nothing to sync")
         if not base_sync_done:
             load_base_weights(self.transformer, named_tensors)
             self.has_base = True
@@ -58,12 +106,43 @@ class DiffusersEngine:
         self.pipe = self.transformer = None
 
 
-def load_diffusers_engine(family: ModelFamily, model_path, device: torch.device, dtype: torch.dtype, micro_batch_size: int, load_base: bool) -> DiffusersEngine:
-    """An engine on the checkpoint at `model_path`; without `load_base`, its transformer is
-    a dummy of the right shape that the first weight sync fills."""
-    return DiffusersEngine(family, family.load_pipeline(model_path, dtype, load_base), device, micro_batch_size, has_base=load_base)
+@contextlib.contextmanager
+def gathered(module: torch.nn.Module):
+    """Every FSDP2 unit of `module` unsharded, and kept so across forwards, until exit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(True, recurse=False)
 
 
-def build(cfg, family: ModelFamily, model_path: str, device: torch.device, dtype: torch.dtype) -> DiffusersEngine:
+def load_diffusers_engine(
+    family: ModelFamily,
+    model_path,
+    device: torch.device,
+    dtype: torch.dtype,
+    micro_batch_size: int,
+    load_base: bool,
+    actor=None,
+    offload_text_encoders: bool = False,
+) -> DiffusersEngine:
+    """An engine on the checkpoint at `model_path`, sampling with `actor` when given (its
+    own transformer is then never loaded); without `load_base`, its transformer is a dummy
+    of the right shape that the first weight sync fills."""
+    pipe = family.load_pipeline(model_path, dtype, load_base, without_transformer=actor is not None)
+    return DiffusersEngine(family, pipe, device, dtype, micro_batch_size, load_base, actor, offload_text_encoders)
+
+
+def build(cfg, family: ModelFamily, model_path: str, device: torch.device, dtype: torch.dtype, actor=None) -> DiffusersEngine:
     """`rollout.engine=diffusers`."""
-    return load_diffusers_engine(family, model_path, device, dtype, cfg.rollout.micro_batch_size, cfg.rollout.load_base)
+    rollout = cfg.rollout
+    return load_diffusers_engine(
+        family, model_path, device, dtype, rollout.micro_batch_size, rollout.load_base, actor, rollout.offload_text_encoders
+    )

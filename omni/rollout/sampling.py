@@ -15,6 +15,8 @@ back as fp32, so a bf16 transformer does not round the numbers the importance ra
 
 from __future__ import annotations
 
+import contextlib
+from collections import OrderedDict
 from typing import Sequence, Tuple
 
 import torch
@@ -24,12 +26,58 @@ from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.sde import ode_step, sde_step
 
 
-def encode_each_prompt(family: ModelFamily, pipe, prompts: Sequence[str], options: SamplingOptions, device) -> Conditioning:
-    """Text embeddings per prompt; repeated prompts (a GRPO group) are encoded once."""
-    position = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
-    unique_cond = family.encode_prompts(pipe, list(position), options.guidance_scale, options.max_sequence_length, device)
-    index = torch.tensor([position[p] for p in prompts], device=device)
-    return unique_cond.apply(lambda t: t[index])
+class PromptCache:
+    """Each prompt's text conditioning, encoded once and kept on the CPU (the most recent
+    `size` prompts), so the text encoders run only for prompts not seen lately.
+
+    With `offload`, the text encoders live on the CPU and visit the device only to encode:
+    a large encoder (T5-XXL, 9.5 GB in bf16) does not hold device memory for a whole run to
+    encode a few unchanging prompts."""
+
+    def __init__(self, family: ModelFamily, pipe, device, offload: bool, size: int = 1024):
+        self.family, self.pipe, self.device = family, pipe, torch.device(device)
+        self.offload = offload and self.device.type != "cpu"
+        self.size = size
+        self.rows: OrderedDict = OrderedDict()
+        self.encoded = 0  # prompts the text encoders have run on (for tests and logs)
+
+    def encoders(self):
+        return [getattr(self.pipe, name) for name in self.family.text_encoders if getattr(self.pipe, name, None) is not None]
+
+    def place_encoders(self) -> None:
+        """Put the text encoders where they stay between encodings."""
+        for encoder in self.encoders():
+            encoder.to("cpu" if self.offload else self.device)
+
+    @contextlib.contextmanager
+    def _encoders_on_device(self):
+        if not self.offload:
+            yield
+            return
+        for encoder in self.encoders():
+            encoder.to(self.device)
+        try:
+            yield
+        finally:
+            for encoder in self.encoders():
+                encoder.to("cpu")
+
+    def encode(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> Conditioning:
+        """One row per prompt (repeats allowed, a GRPO group), on the device."""
+        keys = [(p, guidance_scale > 1, max_sequence_length) for p in prompts]
+        missing = [k for k in dict.fromkeys(keys) if k not in self.rows]
+        if missing:
+            with self._encoders_on_device():
+                new = self.family.encode_prompts(self.pipe, [k[0] for k in missing], guidance_scale, max_sequence_length, self.device)
+            self.encoded += len(missing)
+            for i, key in enumerate(missing):
+                self.rows[key] = new.apply(lambda t: t[i : i + 1].cpu())
+        for key in keys:
+            self.rows.move_to_end(key)
+        cond = type(self.rows[keys[0]]).cat([self.rows[k] for k in keys]).apply(lambda t: t.to(self.device))
+        while len(self.rows) > self.size:
+            self.rows.popitem(last=False)
+        return cond
 
 
 @torch.no_grad()
@@ -64,13 +112,21 @@ def sample_trajectories(
 
 @torch.no_grad()
 def sample_rollout(
-    family: ModelFamily, pipe, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions, micro_batch_size: int, device, dtype
+    family: ModelFamily,
+    pipe,
+    prompts: Sequence[str],
+    seeds: Sequence[int],
+    options: SamplingOptions,
+    micro_batch_size: int,
+    device,
+    dtype,
+    prompt_cache: PromptCache,
 ) -> RolloutBatch:
     """Sample every (prompt, seed) in micro-batches; the batch the actor re-scores."""
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     sigmas = family.sigmas(pipe, options.num_steps, options.resolution)
-    cond = encode_each_prompt(family, pipe, prompts, options, device)
+    cond = prompt_cache.encode(prompts, options.guidance_scale, options.max_sequence_length)
     chunks = [
         sample_trajectories(
             family,

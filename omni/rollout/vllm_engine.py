@@ -124,6 +124,8 @@ def _engine_env(device: torch.device) -> Dict[str, str]:
 class VllmEngine:
     """The rollout engine interface (`omni.rollout.base.RolloutEngine`) over HTTP."""
 
+    shares_actor = False  # a process of its own: it always holds its own copy
+
     def __init__(self, options: VllmOptions, family: ModelFamily, url: str, shared_dir: Path, process: Optional[subprocess.Popen] = None):
         self.options, self.url, self.process = options, url, process
         self.conditioning = family.conditioning

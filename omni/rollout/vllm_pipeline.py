@@ -81,7 +81,7 @@ class FlowGRPOPipeline(torch.nn.Module):
     # ----------------------------------------------------------------- sampling
     def _on_device(self):
         # vLLM-Omni moved the modules after __init__; the engine samples where they are.
-        self.engine.device = self.transformer.device
+        self.engine.device = self.engine.prompts.device = self.transformer.device
         return self.engine
 
     def sample(self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions) -> RolloutBatch:

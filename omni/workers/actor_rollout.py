@@ -16,6 +16,7 @@ from typing import Callable, Dict, Sequence
 
 import torch
 
+from omni.config.rollout import shares_actor
 from omni.distributed import destroy_process_group, init_process_group, pick_device
 from omni.fsdp_utils import collect_lora_params
 from omni.models import get_family
@@ -76,15 +77,19 @@ class ActorRolloutWorker:
         self.optimizer = torch.optim.AdamW(
             self.trainable, lr=self.cfg.trainer.lr, weight_decay=self.cfg.trainer.weight_decay
         )
-        self.engine = build_engine(self.cfg, self.family, self.model_path, self.device, self.dtype)
+        shared = self.actor if shares_actor(self.cfg) else None
+        self.engine = build_engine(self.cfg, self.family, self.model_path, self.device, self.dtype, actor=shared)
         self.sync_weights()
 
     # ----------------------------------------------------------------- sync
     def sync_weights(self) -> Dict[str, float]:
         """Push the actor's weights into the engine: the base first if the engine has none,
-        then the LoRA of the configured adapter."""
+        then the LoRA of the configured adapter. An engine sampling with the actor's own
+        transformer needs none."""
         start = time.perf_counter()
         sent = 0
+        if self.engine.shares_actor:
+            return {"sync/seconds": 0.0, "sync/megabytes": 0.0}
         for base_sync_done in ([False, True] if not self.engine.has_base else [True]):
             tensors = collect_lora_params(
                 self.actor,

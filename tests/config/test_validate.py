@@ -12,6 +12,7 @@ BAD = [
     (["trainer.n_workers=3"], "trainer.n_workers"),
     (["rollout.resolution=72"], "rollout.resolution"),
     (["rollout.layered_summon=true", "rollout.load_base=false"], "rollout.layered_summon"),
+    (["rollout.share_actor=true", "trainer.n_workers=2", "model.fsdp.version=1"], "rollout.share_actor=true with model.fsdp.version=1"),
     (["model.fsdp.layer_prefixes=[single_transformer_blocks.]"], "model.fsdp.layer_prefixes"),
     (["model.fsdp.layer_prefixes=[]"], "model.fsdp.layer_prefixes"),
     (["model.fsdp.version=3"], "model.fsdp.version"),

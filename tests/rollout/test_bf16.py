@@ -19,7 +19,9 @@ def worker(tiny_cache, tmp_path_factory):
     from omni.trainer import model_path
     from omni.workers.actor_rollout import ActorRolloutWorker
 
-    overrides = [f"model.cache_dir={tiny_cache}", "model.dtype=bfloat16", "trainer.micro_batch_size=64"]
+    # an engine with its own copy, as a separate engine process has: its LoRA must compute
+    # as the actor's does (shared by default, the two are one module)
+    overrides = [f"model.cache_dir={tiny_cache}", "model.dtype=bfloat16", "trainer.micro_batch_size=64", "rollout.share_actor=false"]
     cfg = validate(compose_config(overrides, tmp_path_factory.mktemp("run")))
     worker = ActorRolloutWorker(cfg, model_path(cfg.model))
     worker.setup()

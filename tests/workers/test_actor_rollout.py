@@ -1,4 +1,5 @@
-"""The actor re-scores the engine's trajectories exactly, after a real weight sync."""
+"""The actor re-scores the engine's trajectories exactly: after a real weight sync to an
+engine with its own transformer, and at once when the engine samples with the actor's."""
 
 import pytest
 import torch
@@ -42,11 +43,13 @@ def rescore(worker, batch, with_reference=True):
     return log_prob, batch.log_probs[samples, steps], kl
 
 
+OWN_COPY = "rollout.share_actor=false"
 CASES = {
-    "flow_grpo": [],
-    "cfg": ["model.guidance_scale=3.0"],
-    "fast_window": ["algorithm=flow_grpo_fast"],
-    "base_from_sync": ["rollout.load_base=false"],
+    "flow_grpo": [OWN_COPY],
+    "cfg": ["model.guidance_scale=3.0", OWN_COPY],
+    "fast_window": ["algorithm=flow_grpo_fast", OWN_COPY],
+    "base_from_sync": ["rollout.load_base=false", OWN_COPY],
+    "shared_actor": [],
 }
 
 
@@ -67,12 +70,29 @@ def test_actor_log_probs_match_engine_after_sync(case, tiny_cache, tmp_path):
 
 
 def test_stale_engine_is_detected(tiny_cache, tmp_path):
-    """Without the sync the engine samples with other weights: the check above could fail."""
-    cfg, worker = make_worker(tiny_cache, tmp_path)
+    """Without the sync an engine with its own copy samples with other weights: the check
+    above could fail."""
+    cfg, worker = make_worker(tiny_cache, tmp_path, OWN_COPY)
     randomise_lora(worker)
     batch = rollout(cfg, worker)
     actor, engine, _ = rescore(worker, batch)
     assert (actor - engine).abs().max() > 1e-4
+
+
+def test_shared_engine_samples_with_the_actor_itself(tiny_cache, tmp_path):
+    """By default one transformer serves both: the engine holds no copy of its own, a
+    changed LoRA is sampled at once without a sync, and the sync sends nothing."""
+    cfg, worker = make_worker(tiny_cache, tmp_path)
+    assert worker.engine.shares_actor and worker.engine.transformer is worker.actor
+    transformers = {id(m) for m in worker.engine.pipe.components.values() if isinstance(m, type(worker.actor))}
+    assert transformers == {id(worker.actor)}
+    randomise_lora(worker)
+    worker.actor.train()
+    batch = rollout(cfg, worker)
+    assert worker.actor.training  # sampling left the actor's mode as it was
+    actor, engine, _ = rescore(worker, batch)
+    assert (actor - engine).abs().max() <= 1e-5
+    assert worker.sync_weights()["sync/megabytes"] == 0
 
 
 def test_kl_to_reference_is_zero_at_init_and_not_after(tiny_cache, tmp_path):
