@@ -13,8 +13,9 @@ version, text length, guidance). Prints JSON, one object per configuration, in G
 
 What is counted, per GPU: the actor's weights (sharded over the workers by FSDP, plus the
 two blocks it gathers at a time), the LoRA's fp32 masters, gradients and AdamW state
-(sharded too), the rollout engine's own copy of the transformer, the text encoders and the
-VAE; activations of one micro-batch's forward and backward (doubled by CFG), as 34 bytes
+(sharded too), the transformer gathered whole for the rollout (or the engine's own copy
+with rollout.share_actor=false), the text encoders (on the device only while encoding with
+rollout.offload_text_encoders) and the VAE; activations of one micro-batch's forward and backward (doubled by CFG), as 34 bytes
 per token per hidden unit per block without checkpointing (Korthikanti et al. 2022's count
 for a block with memory-efficient attention) or the block inputs plus one block's with it.
 It is an estimate: allocator fragmentation and temporary buffers come on top (leave ~10%).
@@ -71,24 +72,38 @@ def count(config: dict, lora) -> dict:
     }
 
 
-def estimate(sizes: dict, resolution: int, micro_batch: int, workers: int, fsdp: int, dtype: str, text_tokens: int, cfg: bool, checkpointing: bool) -> dict:
+def estimate(
+    sizes: dict, resolution: int, micro_batch: int, workers: int, fsdp: int, dtype: str, text_tokens: int, cfg: bool,
+    checkpointing: bool, shared: bool = True, offload: bool = True,
+) -> dict:
+    """GiB per GPU of each part, and the peak over the phases of a step: training, the
+    rollout (a shared actor is gathered whole for it; else the engine keeps its own copy) and
+    prompt encoding (offloaded text encoders are on the device only then)."""
     width = BYTES[dtype]
     shards = workers if fsdp in (1, 2) and workers > 1 else 1
     tokens = (resolution // (8 * sizes["patch"])) ** 2 + text_tokens
     batch = micro_batch * (2 if cfg else 1)
     per_block = 34 * tokens * batch * sizes["hidden"] * width / 2  # 34 bytes per element at 2-byte width
     block_inputs = tokens * batch * sizes["hidden"] * width * sizes["blocks"]
-    activations = block_inputs + per_block if checkpointing else per_block * sizes["blocks"]
+    full = sizes["params"] * width
     parts = {
-        "actor_weights": sizes["params"] * width / shards + (2 * sizes["block_params"] * width if shards > 1 else 0),
+        "actor_weights": full / shards + (2 * sizes["block_params"] * width if shards > 1 else 0),
         "lora_weights_grads_adam": sizes["lora_params"] * 4 * 4 / shards,
-        "engine_transformer": sizes["params"] * width,
+        "engine_transformer": 0 if shared else full,
+        "rollout_gathered_transformer": full - full / shards if shared else 0,
         "text_encoders": SD3_TEXT_ENCODER_PARAMS * width,
         "vae": SD3_VAE_PARAMS * 4,
-        "activations": activations,
+        "activations": block_inputs + per_block if checkpointing else per_block * sizes["blocks"],
+    }
+    always = parts["actor_weights"] + parts["lora_weights_grads_adam"] + parts["engine_transformer"] + parts["vae"]
+    always += 0 if offload else parts["text_encoders"]
+    phases = {
+        "train": always + parts["activations"],
+        "rollout": always + parts["rollout_gathered_transformer"],
+        "encode": always + (parts["text_encoders"] if offload else 0),
     }
     gib = {k: round(v / GIB, 2) for k, v in parts.items()}
-    return {**gib, "total": round(sum(parts.values()) / GIB, 2)}
+    return {**gib, **{f"{k}_phase": round(v / GIB, 2) for k, v in phases.items()}, "total": round(max(phases.values()) / GIB, 2)}
 
 
 def run_config(overrides):
@@ -113,6 +128,9 @@ def main(argv=None) -> None:
     cfg = run_config(["model=sd3", "model.path=/unused", "trainer=gpu", *overrides])
     from omegaconf import OmegaConf
 
+    from omni.config.rollout import Engine, shares_actor
+
+    cfg.rollout.engine = Engine(cfg.rollout.engine)
     lora = OmegaConf.to_object(cfg.model.lora)
     lora.target_modules = lora.target_modules or ["to_q", "to_k", "to_v", "to_out.0"]
     archs = [args.arch] if args.arch else ([cfg.model.path] if Path(cfg.model.path).is_dir() else list(ARCHS))
@@ -127,7 +145,8 @@ def main(argv=None) -> None:
             for checkpointing in [True] if args.gradient_checkpointing else [False, True]:
                 settings = dict(resolution=resolution, micro_batch=micro_batch, workers=cfg.trainer.n_workers,
                                 fsdp=cfg.model.fsdp.version, dtype=dtype, text_tokens=text_tokens, cfg=guidance > 1,
-                                checkpointing=checkpointing)  # fmt: skip
+                                checkpointing=checkpointing, shared=shares_actor(cfg),
+                                offload=cfg.rollout.offload_text_encoders)  # fmt: skip
                 results.append({"arch": arch, "params": sizes["params"], "lora_params": sizes["lora_params"],
                                 **settings, "gib_per_gpu": estimate(sizes, **settings)})  # fmt: skip
     json.dump(results, sys.stdout, indent=1)

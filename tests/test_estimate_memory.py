@@ -5,6 +5,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "estimate_memory.py"
@@ -31,3 +32,17 @@ def test_counts_match_the_loaded_model(tiny_sd3_dir, capsys):
     assert rows[0]["lora_params"] == sum(p.numel() for p in transformer.parameters() if p.requires_grad)
     plain, checkpointed = (r["gib_per_gpu"]["activations"] for r in rows)
     assert checkpointed < plain
+
+
+def test_sharing_the_actor_and_offloading_the_encoders_lower_the_peak():
+    script = load_script()
+    sizes = dict(params=2_000_000_000, block_params=80_000_000, lora_params=10_000_000, hidden=1536, blocks=24, patch=2)
+    settings = dict(resolution=512, micro_batch=4, workers=8, fsdp=2, dtype="bfloat16", text_tokens=333, cfg=True, checkpointing=True)
+    own_copy = script.estimate(sizes, **settings, shared=False, offload=False)
+    shared = script.estimate(sizes, **settings, shared=True, offload=False)
+    offloaded = script.estimate(sizes, **settings, shared=True, offload=True)
+    assert own_copy["engine_transformer"] > 0 and shared["engine_transformer"] == 0
+    # gathered for the rollout: the whole transformer, less the shard the worker already holds
+    assert shared["rollout_gathered_transformer"] == round(2_000_000_000 * 2 * 7 / 8 / 2**30, 2)
+    assert offloaded["train_phase"] == pytest.approx(shared["train_phase"] - shared["text_encoders"], abs=0.02)
+    assert own_copy["total"] > shared["total"] > offloaded["total"]
