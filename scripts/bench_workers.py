@@ -2,7 +2,12 @@
 reward, update and weight sync of 4 prompts x 8 images) with 1 in-process worker and with a
 Ray group of 2; prints one JSON object.
 
-    python scripts/bench_workers.py [--workers 1 2] [--steps 3]
+    python scripts/bench_workers.py [--workers 1 2] [--steps 3] [--fsdp-version 2 0] [--threads 1]
+
+Groups run once per `--fsdp-version` (2: FSDP2 shards; 0: a replicated base, the LoRA's
+gradients averaged). `--threads` is torch's intra-op threads in every worker process (the
+in-process worker and each Ray worker), so 1 worker x 2 threads and 2 workers x 1 thread
+use the same cores.
 
 Each setting trains `steps` steps after a warm-up step; the median step time counts. Set-up
 time (model loading, and for the group Ray's start and its workers') is reported apart.
@@ -18,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from hydra import compose, initialize_config_dir
 
 from omni.config import register_configs
@@ -27,17 +33,18 @@ from omni.trainer import Trainer
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
 
-def make_trainer(out_dir: str, n_workers: int) -> Trainer:
+def make_trainer(out_dir: str, n_workers: int, fsdp_version: int) -> Trainer:
     register_configs()
     overrides = [f"output_dir={out_dir}", "trainer.progress_bar=false", f"trainer.n_workers={n_workers}"]
+    overrides.append(f"model.fsdp.version={fsdp_version}")
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     return Trainer(validate(cfg))
 
 
-def bench(n_workers: int, steps: int) -> dict:
+def bench(n_workers: int, steps: int, fsdp_version: int = 2) -> dict:
     with tempfile.TemporaryDirectory() as out_dir:
-        trainer = make_trainer(out_dir, n_workers)
+        trainer = make_trainer(out_dir, n_workers, fsdp_version)
         start = time.perf_counter()
         trainer.setup()
         setup_seconds = time.perf_counter() - start
@@ -67,10 +74,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--fsdp-version", type=int, nargs="+", default=[2, 0])
+    parser.add_argument("--threads", type=int, help="torch threads per worker process (default: torch's)")
     args = parser.parse_args()
-    results = {f"workers_{n}": bench(n, args.steps) for n in args.workers}
-    rates = [results[f"workers_{n}"]["samples_per_second"] for n in args.workers]
-    report = {"cpu_cores": os.cpu_count(), **results, "speedup_over_first": [round(r / rates[0], 2) for r in rates]}
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the Ray workers
+        torch.set_num_threads(args.threads)
+    results = {}
+    for n in args.workers:
+        for version in args.fsdp_version if n > 1 else [0]:
+            results[f"workers_{n}" + (f"_fsdp{version}" if n > 1 else "")] = bench(n, args.steps, version)
+    first = next(iter(results.values()))["samples_per_second"]
+    settings = {"cpu_cores": os.cpu_count(), "threads_per_worker": args.threads or torch.get_num_threads(), "steps": args.steps}
+    report = {**settings, **results, "speedup_over_first": {k: round(v["samples_per_second"] / first, 2) for k, v in results.items()}}
     print(json.dumps(report, indent=2))
 
 

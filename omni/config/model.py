@@ -27,8 +27,9 @@ class LoraConfig:
 
 @dataclass
 class FSDPConfig:
-    # 0: no sharding, 1: FSDP1, 2: FSDP2 (fully_shard per block + root). Applies when the
-    # actor spans more than one worker; a single worker has nothing to shard.
+    # 2: FSDP2 (fully_shard per block + root), 1: FSDP1, 0: no sharding: with several workers
+    # each holds the whole base and only the LoRA's gradients are averaged (all-reduced),
+    # the faster choice for a base that fits on each device. A single worker shards nothing.
     version: int = 2
     # Block containers sharded and summoned one at a time; every model declares its own.
     layer_prefixes: List[str] = MISSING

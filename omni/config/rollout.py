@@ -36,7 +36,7 @@ class RolloutConfig:
     layered_summon: bool = False
     # The in-process engine samples with the actor's own transformer: one copy per device
     # and no weight sync. None: wherever that is possible (rollout.engine=diffusers with one
-    # worker or FSDP2); false: the engine loads its own copy and gets the weights by sync.
+    # worker, FSDP2 or a replicated base); false: the engine loads its own copy, synced.
     share_actor: Optional[bool] = None
     # Keep the text encoders on the CPU between encodings (each prompt's conditioning is
     # cached); they visit the device only to encode prompts not seen lately.
@@ -45,7 +45,7 @@ class RolloutConfig:
 
 def shares_actor(cfg) -> bool:
     """Whether the engine samples with the actor's transformer (`rollout.share_actor`)."""
-    possible = Engine(cfg.rollout.engine) == Engine.diffusers and (cfg.trainer.n_workers == 1 or cfg.model.fsdp.version == 2)
+    possible = Engine(cfg.rollout.engine) == Engine.diffusers and (cfg.trainer.n_workers == 1 or cfg.model.fsdp.version in (0, 2))
     return possible if cfg.rollout.share_actor is None else cfg.rollout.share_actor
 
 

@@ -107,10 +107,10 @@ def check_share_actor(cfg: TrainConfig) -> None:
         "diffusers engine can sample with the actor's transformer; set rollout.share_actor=false",
     )
     require(
-        cfg.trainer.n_workers == 1 or cfg.model.fsdp.version == 2,
+        cfg.trainer.n_workers == 1 or cfg.model.fsdp.version in (0, 2),
         f"rollout.share_actor=true with model.fsdp.version={cfg.model.fsdp.version} and trainer.n_workers="
         f"{cfg.trainer.n_workers}: a shared transformer is gathered for sampling with FSDP2 only; "
-        "set model.fsdp.version=2 or rollout.share_actor=false",
+        "set model.fsdp.version=2 (or 0, a replicated base) or rollout.share_actor=false",
     )
 
 
@@ -177,11 +177,6 @@ def check_workers(cfg: TrainConfig) -> None:
         f"without Ray; set trainer.n_workers > 1 to use the cluster",
     )
     require(trainer.placement_timeout_s > 0, f"trainer.placement_timeout_s={trainer.placement_timeout_s} must be positive")
-    require(
-        workers == 1 or cfg.model.fsdp.version in (1, 2),
-        f"model.fsdp.version=0 with trainer.n_workers={workers}: unsharded workers would not average their "
-        f"gradients and would drift apart; use model.fsdp.version=1 or 2",
-    )
 
 
 def check_logger(logger) -> None:

@@ -117,9 +117,12 @@ class ModelFamily:
         """Qualified module names of `meta_transformer(path, config)`."""
         return [name for name, _ in self.meta_transformer(path, config).named_modules()]
 
-    def load_transformer(self, path: str | os.PathLike, dtype: torch.dtype):
+    def load_transformer(self, path: str | os.PathLike, dtype: torch.dtype, device: Optional[torch.device] = None):
+        """The checkpoint's transformer in `dtype`; with `device`, its weights are read straight
+        onto it (no whole copy in host memory first, which 8 workers of a node would each hold)."""
         cls = self._diffusers(self.transformer_class)
-        return cls.from_pretrained(str(path), subfolder="transformer", torch_dtype=dtype, local_files_only=True)
+        placement = {} if device is None else {"device_map": {"": str(device)}}
+        return cls.from_pretrained(str(path), subfolder="transformer", torch_dtype=dtype, local_files_only=True, **placement)
 
     def load_pipeline(self, path: str | os.PathLike, dtype: torch.dtype, load_base: bool = True, without_transformer: bool = False):
         """The whole pipeline in `dtype`, but its VAE in fp32 (as the reference recipes keep

@@ -24,7 +24,7 @@ from omni.models.base import Conditioning
 from omni.rollout import build_engine
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.weights import add_lora_adapter, module_lora_names
-from omni.workers.sharding import clip_grad_norm, wrap_fsdp
+from omni.workers.sharding import average_gradients, clip_grad_norm, wrap_fsdp
 
 
 def torch_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -64,10 +64,11 @@ class ActorRolloutWorker:
     # ----------------------------------------------------------------- set-up
     def setup(self) -> None:
         fsdp_version = self.cfg.model.fsdp.version if self.world_size > 1 else 0
+        self.replicated = self.world_size > 1 and fsdp_version == 0
         if self.world_size > 1:
             init_process_group(self.rank, self.world_size, self.device)
         torch.manual_seed(self.cfg.seed)
-        actor = self.family.load_transformer(self.model_path, self.dtype)
+        actor = self.family.load_transformer(self.model_path, self.dtype, self.device)
         actor.requires_grad_(False)
         add_lora_adapter(actor, self.lora_cfg)
         if self.cfg.model.gradient_checkpointing:
@@ -172,6 +173,11 @@ class ActorRolloutWorker:
         after every micro-batch."""
         from torch.distributed.fsdp import FullyShardedDataParallel
 
+        if self.replicated:
+            loss.backward()
+            if sync:
+                average_gradients(self.trainable)
+            return
         if hasattr(self.actor, "set_requires_gradient_sync"):  # FSDP2
             self.actor.set_requires_gradient_sync(sync)
         elif isinstance(self.actor, FullyShardedDataParallel) and not sync:

@@ -1,5 +1,8 @@
 """Wrapping the actor transformer for training: no FSDP, FSDP1, or FSDP2 per block + root.
 
+Without FSDP across several workers the base is replicated and only the trainable
+parameters' gradients are averaged (`average_gradients`), as DDP would, in one collective.
+
 The blocks are the children of the containers named by `model.fsdp.layer_prefixes`
 (`transformer_blocks.` for SD3), so the units FSDP gathers are the units that
 `collect_lora_params(layered_summon=True)` summons one at a time.
@@ -63,6 +66,20 @@ def wrap_fsdp(
         fully_shard(module, mp_policy=mp_policy)
         return module
     raise ValueError(f"model.fsdp.version={version}: expected 0 (none), 1 or 2")
+
+
+def average_gradients(params: Sequence[torch.Tensor]) -> None:
+    """Replicated workers: every gradient replaced by its mean over the workers, in one
+    all-reduce of one flat fp32 buffer (a parameter without a gradient counts as zeros, so
+    every worker sends the same layout)."""
+    import torch.distributed as dist
+
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for p, part in zip(params, flat.split([g.numel() for g in grads])):
+        p.grad = part.view_as(p).to(p.dtype)
 
 
 def clip_grad_norm(module: nn.Module, params, max_norm: float) -> torch.Tensor:

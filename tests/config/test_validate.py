@@ -48,7 +48,6 @@ BAD = [
     (["trainer.n_workers=2", "trainer.device=cuda"], "trainer.n_gpus_per_node"),
     (["trainer.n_gpus_per_node=1", "trainer.device=cpu"], "trainer.device=cpu"),
     (["trainer.ray_address=auto"], "trainer.ray_address"),
-    (["trainer.n_workers=2", "model.fsdp.version=0"], "model.fsdp.version=0"),
 ]
 
 

@@ -29,10 +29,10 @@ pytestmark = pytest.mark.slow
 SMALL = ["trainer.batch_size=8", "algorithm.group_size=4", "trainer.micro_batch_size=4", "trainer.eval_images_per_prompt=1"]
 
 
-def build(n_workers, tiny_cache, tmp_path):
+def build(n_workers, tiny_cache, tmp_path, *overrides):
     from omni.workers import build_actor_rollout
 
-    cfg = validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.n_workers={n_workers}", *SMALL], tmp_path))
+    cfg = validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.n_workers={n_workers}", *SMALL, *overrides], tmp_path))
     return cfg, build_actor_rollout(cfg, model_path(cfg.model))
 
 
@@ -45,10 +45,12 @@ def max_difference(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def test_two_workers_match_one_worker(tiny_cache, tmp_path):
+@pytest.mark.parametrize("fsdp_version", [2, 0])
+def test_two_workers_match_one_worker(fsdp_version, tiny_cache, tmp_path):
     """Same prompts and seeds: the 2-worker rollout is the 1-worker one image by image; the
-    update of the same batch (2 minibatches, FSDP2 over 2 gloo ranks) gives the same LoRA and
-    gradient norm; after the weight sync both workers' engines sample with the new LoRA."""
+    update of the same batch (2 minibatches over 2 gloo ranks; FSDP2, or a replicated base
+    with the LoRA gradients all-reduced) gives the same LoRA and gradient norm; after the
+    update both workers sample with the new LoRA."""
     cfg, one = build(1, tiny_cache, tmp_path)
     prompts = ["a red cat"] * 4 + ["a blue dog"] * 4
     seeds = step_seeds(0, 0, len(prompts))
@@ -61,7 +63,7 @@ def test_two_workers_match_one_worker(tiny_cache, tmp_path):
     one_after = one.generate(prompts, seeds, sampling(cfg, 1))
     one.shutdown()
 
-    _, two = build(2, tiny_cache, tmp_path)
+    _, two = build(2, tiny_cache, tmp_path, f"model.fsdp.version={fsdp_version}")
     try:
         assert max_difference(two.lora_state_dict(), initial_lora) == 0
         two_batch = two.generate(prompts, seeds, sampling(cfg, 0))
