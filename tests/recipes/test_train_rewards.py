@@ -1,5 +1,6 @@
-"""Flow-GRPO on the tiny SD3 with rewards beyond the built-in ones: a reward served by
-`python -m omni.rewards.serve` in its own process (reward=http)."""
+"""Flow-GRPO on the tiny SD3 with the OCR reward, in process (reward=ocr) and served by
+`python -m omni.rewards.serve` in its own process (reward=http), with prompt metadata that
+must reach the reward through the rollout and over the wire."""
 
 import contextlib
 import json
@@ -14,13 +15,7 @@ import pytest
 from omni.distributed import free_port
 from tests.recipes.test_train import REPO, train
 
-SHORT_RUN = ("trainer.steps=2", "trainer.batch_size=8", "trainer.eval_images_per_prompt=2")
-
-
-def short_run(tmp_path, eval_prompts=("a red cube", "a blue ball")):
-    """Overrides of a 2-step run evaluated on two held-out prompts (a few seconds of sampling)."""
-    (tmp_path / "eval.txt").write_text("\n".join(eval_prompts) + "\n")
-    return (*SHORT_RUN, f"data.eval={tmp_path / 'eval.txt'}")
+SHORT_RUN = ("trainer.steps=1", "trainer.batch_size=8", "trainer.eval_images_per_prompt=1")
 
 
 @contextlib.contextmanager
@@ -46,10 +41,31 @@ def served_reward(*overrides, log):
         process.wait(timeout=30)
 
 
+ITEMS = [("a shop sign", "BAKERY"), ("a poster on a wall", "SUMMER FAIR"), ("a road sign", "SLOW"), ("a mug", "MORNING")]
+
+
+def metadata_only_prompts(path: Path) -> Path:
+    """A JSONL prompt set whose target texts are only in the metadata (no quotes in the
+    prompt), so the OCR reward can score only if each item's metadata reached it."""
+    path.write_text("".join(json.dumps({"prompt": prompt, "text": text}) + "\n" for prompt, text in ITEMS))
+    return path
+
+
+def scores_in_unit_interval(run_dir: Path, steps: int) -> None:
+    summary = json.loads((run_dir / "eval.json").read_text())
+    assert summary["steps"] == steps and len(summary["after"]) == len(summary["before"]) > 0
+    assert all(0 <= value <= 1 for value in summary["before"] + summary["after"])
+
+
+@pytest.mark.slow
+def test_flow_grpo_with_ocr_in_process(tmp_path, tiny_cache):
+    train(tmp_path / "run", tiny_cache, "reward=ocr", "data=ocr", *SHORT_RUN)
+    scores_in_unit_interval(tmp_path / "run", 1)
+
+
 @pytest.mark.slow
 def test_flow_grpo_with_a_served_reward(tmp_path, tiny_cache):
-    with open(tmp_path / "server.log", "w") as log, served_reward("reward=brightness", log=log) as url:
-        train(tmp_path / "run", tiny_cache, "reward=http", f"reward.components.http.url={url}", *short_run(tmp_path))
-    summary = json.loads((tmp_path / "run" / "eval.json").read_text())
-    assert summary["steps"] == 2 and len(summary["after"]) == len(summary["before"]) > 0
-    assert all(0 < value < 1 for value in summary["before"] + summary["after"])  # brightness, as served
+    items = metadata_only_prompts(tmp_path / "items.jsonl")
+    with open(tmp_path / "server.log", "w") as log, served_reward("reward=ocr", log=log) as url:
+        train(tmp_path / "run", tiny_cache, "reward=http", f"reward.components.http.url={url}", f"data.train={items}", f"data.eval={items}", *SHORT_RUN)
+    scores_in_unit_interval(tmp_path / "run", 1)
