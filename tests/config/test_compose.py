@@ -16,6 +16,7 @@ from omni.rollout.vllm_engine import engine_unavailable
 from tests.conftest import CONF_DIR, compose_config
 
 GROUPS = ("model", "rollout", "algorithm", "reward", "data", "trainer", "logger")
+LOCAL_MODEL_REWARDS = ("pickscore", "clipscore", "aesthetic")  # tested on tiny CLIPs in tests/rewards
 
 
 def options(group):
@@ -29,7 +30,16 @@ def compose_and_validate(choice: dict, tiny_cache, synthetic_pairs, tmp_path):
         overrides.append("data=pairs")
     if choice.get("algorithm") == "dpo" or choice.get("data") == "pairs":
         overrides.append(f"data.pairs={synthetic_pairs}")
+    if choice.get("reward") == "ocr":
+        overrides.append("data=ocr")  # prompts with quoted target texts
+    if choice.get("reward") == "http":
+        overrides.append("reward.components.http.url=http://127.0.0.1:8000")  # not contacted before set-up
     cfg = compose_config(overrides, tmp_path)
+    if choice.get("reward") in LOCAL_MODEL_REWARDS:
+        # a learned reward's checkpoint is a local directory the user names: the error says which key
+        with pytest.raises(ConfigError, match=f"full_key: reward.components.{choice['reward']}.path"):
+            validate(cfg)
+        return None
     if cfg.model.tiny_seed is None:
         cfg = compose_config(overrides + [f"model.path={get_family(cfg.model.family).tiny_path(tiny_cache, 0)}"], tmp_path)
     if choice.get("rollout") == "vllm" and engine_unavailable(VllmOptions()):
