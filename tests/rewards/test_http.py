@@ -140,3 +140,14 @@ def test_unreachable_server_stops_the_run_before_the_model_loads(tmp_path):
     with pytest.raises(RewardUnavailable, match=f"reward 'http': GET {url}/health failed 2 times.*cannot connect.*during set-up"):
         run(cfg)
     assert not cache.exists() or not any(cache.iterdir())  # the tiny SD3 was never built
+
+
+def test_geneval_prompts_need_their_metadata():
+    from omni.config.validate import ConfigError, validate
+    from tests.conftest import compose_config
+
+    url = "reward.components.http.url=http://127.0.0.1:8000"
+    with pytest.raises(ConfigError, match=r"data.train=omni:colors_train: .*colors_train.txt, line 1: reward.components.http needs metadata \['tag', 'include'\]"):
+        validate(compose_config(["reward=geneval", url]))
+    cfg = validate(compose_config(["reward=geneval", "data=geneval", url]))
+    assert cfg.reward.components["http"].required_metadata == ["tag", "include"]
