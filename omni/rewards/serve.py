@@ -52,8 +52,12 @@ def build_app(reward: WeightedReward):
                         raise ValueError(f"{prompt.origin} ({str(prompt)[:80]!r}): reward '{name}' needs {problem}")
         except ValueError as error:
             raise fastapi.HTTPException(status_code=400, detail=str(error)) from None
-        with lock:
-            return scores_answer(reward(images, prompts)["reward"])
+        try:
+            with lock:
+                return scores_answer(reward(images, prompts)["reward"])
+        except Exception as error:  # the reward failed: the client is told why (and retries)
+            logger.exception("scoring %d images failed", len(prompts))
+            raise fastapi.HTTPException(status_code=500, detail=f"{type(error).__name__}: {error}") from None
 
     @app.get("/health")
     def health():

@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import fastapi
+import numpy as np
 import pytest
 import torch
 
@@ -151,3 +152,55 @@ def test_geneval_prompts_need_their_metadata():
         validate(compose_config(["reward=geneval", url]))
     cfg = validate(compose_config(["reward=geneval", "data=geneval", url]))
     assert cfg.reward.components["http"].required_metadata == ["tag", "include"]
+
+
+def test_served_ocr_gets_metadata_and_refuses_prompts_without_text():
+    """Metadata crosses the wire (a target text only in the metadata is scored), and the
+    server refuses, without retries, a prompt its reward cannot score."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    canvas = Image.new("RGB", (320, 96), "white")
+    ImageDraw.Draw(canvas).text((16, 24), "BAKERY", fill="black", font=ImageFont.load_default(size=40))
+    image = torch.from_numpy(np.asarray(canvas).copy()).permute(2, 0, 1).float()[None] / 255
+    served = WeightedReward({"ocr": {}})
+    served.setup()
+    with uvicorn_server(build_app(served)) as url:
+        remote = client(url)
+        assert remote.score(image, [Prompt("a shop sign", {"text": "BAKERY"})]).tolist() == [1.0]
+        with pytest.raises(RewardUnavailable, match="refused the request: HTTP 400: .*request prompt 0.*'a shop sign'.*reward 'ocr' needs the target text"):
+            remote.score(image, [Prompt("a shop sign")])
+
+
+@pytest.mark.slow
+def test_server_failing_mid_run_stops_it_naming_reward_url_and_step(tiny_cache, tmp_path):
+    """The held-out evaluation (one request) is scored, then the server fails every request:
+    the run stops at training step 1, after the bounded retries, and says what it kept."""
+    from omni.trainer import run
+    from tests.conftest import compose_config
+
+    seen, app = [], fastapi.FastAPI()
+
+    @app.get("/health")
+    def health():
+        return {"ok": True, "reward": ["brightness"]}
+
+    @app.post("/score")
+    def score(body: dict):
+        seen.append(len(body["images"]))
+        if len(seen) > 1:
+            return fastapi.Response("out of memory", status_code=503)
+        return {"scores": [0.5] * len(body["images"])}
+
+    (tmp_path / "eval.txt").write_text("a red cube\n")
+    with uvicorn_server(app) as url:
+        overrides = [
+            "reward=http", f"reward.components.http.url={url}", "reward.components.http.retries=1", "reward.components.http.backoff_s=0",
+            f"data.eval={tmp_path / 'eval.txt'}", "trainer.steps=1", "trainer.batch_size=8", "algorithm.group_size=4",
+            "trainer.eval_images_per_prompt=1", "trainer.progress_bar=false", f"model.cache_dir={tiny_cache}",
+        ]
+        with pytest.raises(RewardUnavailable) as error:
+            run(compose_config(overrides, tmp_path / "run"))
+    message = str(error.value)
+    assert f"reward 'http': POST {url}/score failed 2 times" in message and "HTTP 503: out of memory" in message
+    assert "during training step 1. Training stopped: no checkpoint was saved yet" in message
+    assert seen == [1, 8, 8]  # the evaluation, then one training batch tried twice
