@@ -36,7 +36,7 @@ def import_server():
 def build_app(reward: WeightedReward):
     """The ASGI app serving `reward` (set up by the caller): GET /health, POST /score."""
     fastapi, _ = import_server()
-    from starlette.concurrency import run_in_threadpool
+    from fastapi.concurrency import run_in_threadpool
 
     app = fastapi.FastAPI(title="omni-recipes reward server")
     lock = threading.Lock()
@@ -82,6 +82,8 @@ def reward_from_overrides(overrides: Sequence[str]) -> WeightedReward:
 
     from omni.config import register_configs
 
+    if not CONF_DIR.is_dir():
+        raise FileNotFoundError(f"{CONF_DIR}: the reward server composes the repository's conf/ groups; install omni-recipes editable from a checkout")
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=list(overrides))

@@ -25,44 +25,48 @@ def loaded(name, **options):
     return reward
 
 
-def forward_outputs(clip_dir, images, prompts):
-    """CLIPModel's own forward on the processor's inputs: logits and unit image embeddings."""
+@pytest.fixture(scope="module")
+def forward(clip_dir):
+    """CLIPModel's own forward on the processor's inputs: logits, unit image embeddings, scale."""
     from transformers import AutoProcessor, CLIPModel
 
     processor, model = AutoProcessor.from_pretrained(clip_dir), CLIPModel.from_pretrained(clip_dir).eval()
-    inputs = processor(images=[to_uint8(i) for i in images], text=prompts, padding=True, return_tensors="pt")
+    inputs = processor(images=[to_uint8(i) for i in IMAGES], text=PROMPTS, padding=True, return_tensors="pt")
     with torch.no_grad():
         out = model(**inputs)
     return out.logits_per_image.diagonal(), out.image_embeds, model.logit_scale.exp()
 
 
-def test_pickscore_is_the_models_logit(clip_dir):
-    logits, _, _ = forward_outputs(clip_dir, IMAGES, PROMPTS)
-    scores = loaded("pickscore", path=str(clip_dir)).score(IMAGES, PROMPTS)
-    assert torch.allclose(scores, logits, atol=1e-5)
-    shuffled = loaded("pickscore", path=str(clip_dir), processor_path=str(clip_dir)).score(IMAGES, PROMPTS[::-1])
-    assert not torch.allclose(shuffled, scores, atol=1e-3)  # the prompt matters
+@pytest.fixture(scope="module")
+def pickscore(clip_dir):
+    return loaded("pickscore", path=str(clip_dir))
 
 
-def test_clipscore_is_clamped_cosine(clip_dir):
-    logits, _, scale = forward_outputs(clip_dir, IMAGES, PROMPTS)
-    scores = loaded("clipscore", path=str(clip_dir)).score(IMAGES, PROMPTS)
-    assert torch.allclose(scores, (100 * logits / scale).clamp(min=0), atol=1e-4)
-    assert (scores >= 0).all()
+def test_pickscore_is_the_models_logit(pickscore, forward):
+    scores = pickscore.score(IMAGES, PROMPTS)
+    assert torch.allclose(scores, forward[0], atol=1e-5)
+    assert not torch.allclose(pickscore.score(IMAGES, PROMPTS[::-1]), scores, atol=1e-3)  # the prompt matters
 
 
-def test_batches_give_the_scores_of_one_call(clip_dir):
-    one_call = loaded("pickscore", path=str(clip_dir)).score(IMAGES, PROMPTS)
+def test_clipscore_is_clamped_cosine(clip_dir, forward):
+    logits, _, scale = forward
+    reward = loaded("clipscore", path=str(clip_dir), processor_path=str(clip_dir))
+    scores = reward.score(IMAGES, PROMPTS)
+    assert torch.allclose(scores, (100 * logits / scale).clamp(min=0), atol=1e-4) and (scores >= 0).all()
+    quantized = torch.from_numpy(np.stack([to_uint8(i) for i in IMAGES])).permute(0, 3, 1, 2).float() / 255
+    assert torch.equal(reward.score(quantized, PROMPTS), scores)  # images reach the processor as 8-bit
+
+
+def test_batches_give_the_scores_of_one_call(clip_dir, pickscore):
     batched = WeightedReward({"pickscore": {"path": str(clip_dir), "batch_size": 2}})
-    batched.setup()
-    assert torch.allclose(batched(IMAGES, PROMPTS)["pickscore"], one_call, atol=1e-5)
+    batched.rewards["pickscore"] = pickscore  # the loaded model, scored through the chunking
+    assert torch.allclose(batched(IMAGES, PROMPTS)["pickscore"], pickscore.score(IMAGES, PROMPTS), atol=1e-5)
 
 
-def test_aesthetic_head_on_unit_image_embeddings(clip_dir, tmp_path):
-    _, image_embeds, _ = forward_outputs(clip_dir, IMAGES, PROMPTS)
+def test_aesthetic_head_on_unit_image_embeddings(clip_dir, forward, tmp_path):
     head_path = save_aesthetic_head(tmp_path / "head.pth", embedding_size=16, seed=1)
     state = torch.load(head_path, weights_only=True)
-    expected = image_embeds
+    expected = forward[1]
     for index in (0, 2, 4, 6, 7):  # the released MLP: linear layers, no activations
         expected = expected @ state[f"layers.{index}.weight"].T + state[f"layers.{index}.bias"]
     reward = loaded("aesthetic", path=str(clip_dir), head_path=str(head_path))
@@ -96,14 +100,8 @@ def test_bad_paths_fail_at_validation(clip_dir, overrides, message):
         validate(compose_config([o.replace("{clip}", str(clip_dir)) for o in overrides]))
 
 
-def test_dtype_option_reaches_the_model(clip_dir):
+def test_dtype_option_reaches_the_model(clip_dir, pickscore):
     reward = loaded("pickscore", path=str(clip_dir), dtype="bfloat16")
     assert reward.model.dtype == torch.bfloat16
-    fp32 = loaded("pickscore", path=str(clip_dir)).score(IMAGES, PROMPTS)
+    fp32 = pickscore.score(IMAGES, PROMPTS)
     assert torch.allclose(reward.score(IMAGES, PROMPTS), fp32, atol=0.1 * float(fp32.abs().max()) + 0.05)
-
-
-def test_images_reach_the_processor_as_8_bit(clip_dir):
-    reward = loaded("clipscore", path=str(clip_dir))
-    quantized = torch.from_numpy(np.stack([to_uint8(i) for i in IMAGES])).permute(0, 3, 1, 2).float() / 255
-    assert torch.equal(reward.score(IMAGES, PROMPTS), reward.score(quantized, PROMPTS))
