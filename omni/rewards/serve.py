@@ -102,8 +102,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. reward=pickscore reward.components.pickscore.path=...")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    _, uvicorn = import_server()
-    reward = reward_from_overrides(args.overrides)
+    from hydra.errors import HydraException
+
+    try:
+        _, uvicorn = import_server()
+        reward = reward_from_overrides(args.overrides)
+    except (HydraException, ImportError, KeyError, OSError, ValueError) as error:  # each names the key or file
+        parser.exit(2, f"omni.rewards.serve: {error.args[0] if isinstance(error, KeyError) else error}\n")
     reward.setup()
     try:
         logger.info("serving %s on http://%s:%d", list(reward.rewards), args.host, args.port)

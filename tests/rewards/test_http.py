@@ -18,6 +18,7 @@ from omni.rewards.base import RewardUnavailable
 from omni.rewards.http import HttpReward
 from omni.rewards.protocol import parse_score_request, quantize, score_request
 from omni.rewards.serve import build_app, reward_from_overrides
+from omni.rewards.serve import main as serve_main
 from tests.rewards.servers import dropping_server, uvicorn_server
 
 IMAGES = torch.rand(5, 3, 16, 16, generator=torch.Generator().manual_seed(0))
@@ -122,6 +123,13 @@ def test_nothing_listening_fails_at_setup():
     reward = HttpReward("http", reward_options("http", {"url": url, "retries": 1, "backoff_s": 0.0}))
     with pytest.raises(RewardUnavailable, match=f"GET {url}/health failed 2 times.*cannot connect"):
         reward.setup()
+
+
+def test_server_cli_names_a_bad_option_and_exits(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        serve_main(["--port", "0", "reward=pickscore", "reward.components.pickscore.path=/nonexistent/ckpt"])
+    assert stopped.value.code == 2
+    assert "reward.components.pickscore.path=/nonexistent/ckpt: not a model directory" in capsys.readouterr().err
 
 
 def test_server_composes_the_reward_group():
