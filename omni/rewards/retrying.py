@@ -64,7 +64,7 @@ class RetryingClient:
 
     def __init__(self, name: str, options: RemoteOptions, key: str, headers: Optional[Dict[str, str]] = None):
         httpx, _ = import_client()
-        self.name, self.url, self.policy, self.key = name, options.url.rstrip("/"), options, key
+        self.name, self.url, self.options, self.key = name, options.url.rstrip("/"), options, key
         self.client = httpx.Client(base_url=self.url, timeout=options.timeout_s, headers=headers)
 
     def close(self) -> None:
@@ -73,14 +73,14 @@ class RetryingClient:
     def request(self, method: str, route: str, parse: Callable[[Any], Any], **kwargs) -> Any:
         """`parse(answer JSON)` of a request, retried as the module docstring says."""
         httpx, tenacity = import_client()
-        policy = self.policy
+        options = self.options
         retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_attempt(policy.retries + 1),
-            wait=tenacity.wait_exponential(multiplier=policy.backoff_s, max=policy.max_backoff_s),
+            stop=tenacity.stop_after_attempt(options.retries + 1),
+            wait=tenacity.wait_exponential(multiplier=options.backoff_s, max=options.max_backoff_s),
             retry=tenacity.retry_if_exception_type((httpx.TransportError, TransientAnswer)),
             before_sleep=lambda state: logger.warning(
                 "reward '%s': %s %s%s failed (%s); try %d of %d", self.name, method, self.url, route,
-                self.describe(state.outcome.exception()), state.attempt_number + 1, policy.retries + 1,
+                self.describe(state.outcome.exception()), state.attempt_number + 1, options.retries + 1,
             ),
             reraise=True,
         )
@@ -89,7 +89,7 @@ class RetryingClient:
             return retrying(self.attempt, method, route, parse, **kwargs)
         except (httpx.TransportError, TransientAnswer) as error:
             raise RewardUnavailable(
-                f"{where} failed {policy.retries + 1} times ({self.key}.retries={policy.retries}); last: {self.describe(error)}"
+                f"{where} failed {options.retries + 1} times ({self.key}.retries={options.retries}); last: {self.describe(error)}"
             ) from None
         except RefusedRequest as error:
             raise RewardUnavailable(f"{where}: the server refused the request: {error}") from None
@@ -108,7 +108,7 @@ class RetryingClient:
     def describe(self, error: BaseException) -> str:
         httpx, _ = import_client()
         if isinstance(error, httpx.TimeoutException):
-            return f"no answer within {self.policy.timeout_s} s ({self.key}.timeout_s)"
+            return f"no answer within {self.options.timeout_s} s ({self.key}.timeout_s)"
         if isinstance(error, httpx.ConnectError):
             return f"cannot connect ({error})"
         if isinstance(error, httpx.TransportError):
