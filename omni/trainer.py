@@ -27,6 +27,7 @@ from omni.data.prompts import load_prompts
 from omni.loggers import MetricsLogger
 from omni.models import get_family
 from omni.rewards import WeightedReward
+from omni.rewards.base import RewardUnavailable
 from omni.run_lock import RunLock
 from omni.workers import WorkerFailure, build_actor_rollout
 
@@ -183,7 +184,7 @@ def run(cfg: DictConfig | TrainConfig) -> float:
         try:
             trainer.setup()
             return trainer.train()
-        except (WorkerFailure, TrainingStopped) as failure:
+        except (WorkerFailure, TrainingStopped, RewardUnavailable) as failure:
             raise type(failure)(f"{failure}; during {trainer.position}. Training stopped: {kept(trainer)}") from None
         except KeyboardInterrupt:
             print(f"\ninterrupted during {trainer.position}. {kept(trainer)}", flush=True)

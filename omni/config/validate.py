@@ -21,7 +21,7 @@ from omni.config.rollout import Engine
 from omni.data.prompts import load_prompts
 from omni.models import get_family
 from omni.models.base import ModelFamily
-from omni.rewards import reward_options
+from omni.rewards import REWARDS, reward_options
 
 __all__ = ["ConfigError", "validate"]
 
@@ -185,12 +185,14 @@ def check_logger(logger) -> None:
 
 
 def check_rewards(reward) -> None:
-    """Types each component's options in place (`reward.components.<name>`)."""
+    """Types each component's options in place (`reward.components.<name>`) and checks them
+    (files that must exist), loading nothing."""
     require(bool(reward.components), "reward.components is empty: name at least one reward")
     require(reward.batch_size > 0, f"reward.batch_size={reward.batch_size} must be positive")
     for name in list(reward.components):
         try:
             reward.components[name] = reward_options(name, reward.components[name])
+            REWARDS.get(name).check_options(reward.components[name], f"reward.components.{name}")
         except (KeyError, ValueError) as error:
             raise ConfigError(error.args[0]) from None
     require(
@@ -199,13 +201,25 @@ def check_rewards(reward) -> None:
     )
 
 
-def check_prompts(data) -> None:
+def check_prompts(data, reward) -> None:
+    """Each prompt file loads, and each prompt has what every reward component needs of it
+    (the OCR target text, GenEval's objects): the first that lacks it is named, with its line."""
     for key in ("train", "eval"):
-        if getattr(data, key) is not None:
-            try:
-                load_prompts(getattr(data, key), f"data.{key}", data.skip_bad_rows)
-            except (OSError, ValueError) as error:
-                raise ConfigError(str(error)) from None
+        spec = getattr(data, key)
+        if spec is None:
+            continue
+        try:
+            prompts = load_prompts(spec, f"data.{key}", data.skip_bad_rows)
+        except (OSError, ValueError) as error:
+            raise ConfigError(str(error)) from None
+        for name, options in reward.components.items():
+            component = REWARDS.get(name)
+            for prompt in prompts:
+                problem = component.prompt_problem(options, prompt)
+                require(
+                    problem is None,
+                    f"data.{key}={spec}: {prompt.origin}: reward.components.{name} needs {problem}; the prompt is {str(prompt)[:100]!r}",
+                )
 
 
 def to_schema(cfg: DictConfig | TrainConfig) -> TrainConfig:
@@ -239,5 +253,5 @@ def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
     _lookup(get_algorithm, cfg.algorithm.name).check_config(cfg)
     check_logger(cfg.logger)
     check_rewards(cfg.reward)
-    check_prompts(cfg.data)
+    check_prompts(cfg.data, cfg.reward)
     return cfg

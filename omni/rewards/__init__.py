@@ -22,10 +22,9 @@ def reward_options(name: str, raw, key: str = "reward.components") -> RewardOpti
     if isinstance(raw, cls.Options):
         return raw
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(cls.Options), raw or {})
-    except Exception as error:  # omegaconf's ValidationError / ConfigKeyError
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls.Options), raw or {}))
+    except Exception as error:  # omegaconf's ValidationError / ConfigKeyError / MissingMandatoryValue
         raise ValueError(f"{key}.{name}: {str(error).splitlines()[0]}; options of '{name}': {list(OmegaConf.structured(cls.Options))}") from None
-    return OmegaConf.to_object(merged)
 
 
 class NonFiniteReward(ValueError):

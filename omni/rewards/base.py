@@ -5,12 +5,19 @@ A reward lives in `omni/rewards/<name>.py` and defines `REWARD`, a `Reward` subc
 `reward.components.<name>`: a misspelt or mistyped option fails at validation, naming it.
 `setup()` loads what the reward needs (a model, a connection) once, before training;
 `score` maps a batch of images (B, 3, H, W in [0, 1]) and their prompts to one float each.
+
+Prompts are `omni.data.prompts.Prompt` strings: each carries its item's `metadata` (a
+dict, e.g. GenEval's objects) and its `origin` (file and line), so what a reward needs
+beyond the text reaches `score` with no other argument. Two class-level checks run at
+validation, before any model loads: `check_options` (paths that must exist) and
+`prompt_problem` (what a prompt lacks for this reward). A reward that cannot score at all
+(a server that stays unreachable) raises `RewardUnavailable`; it never returns zeros.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 
@@ -23,11 +30,24 @@ class RewardOptions:
     batch_size: Optional[int] = None
 
 
+class RewardUnavailable(RuntimeError):
+    """The reward could not score (its message names the reward and what failed)."""
+
+
 class Reward:
     Options = RewardOptions
 
     def __init__(self, name: str, options: RewardOptions):
         self.name, self.options = name, options
+
+    @classmethod
+    def check_options(cls, options: RewardOptions, key: str) -> None:
+        """Raise ValueError naming `key.<option>` for options that cannot work (a missing file)."""
+
+    @classmethod
+    def prompt_problem(cls, options: RewardOptions, prompt: Any) -> Optional[str]:
+        """What `prompt` (an `omni.data.prompts.Prompt`) lacks for this reward, or None."""
+        return None
 
     def setup(self) -> None:
         """Load models or open connections; called once before the first `score`."""

@@ -16,6 +16,14 @@ from omni.rollout.vllm_engine import engine_unavailable
 from tests.conftest import CONF_DIR, compose_config
 
 GROUPS = ("model", "rollout", "algorithm", "reward", "data", "trainer", "logger")
+LOCAL_MODEL_REWARDS = ("pickscore", "clipscore", "aesthetic")  # tested on tiny CLIPs in tests/rewards
+# What a reward option needs from its user: prompts with its metadata, a server (contacted only at set-up).
+REWARD_NEEDS = {
+    "ocr": ["data=ocr"],
+    "http": ["reward.components.http.url=http://127.0.0.1:8000"],
+    "geneval": ["data=geneval", "reward.components.http.url=http://127.0.0.1:8000"],
+    "vlm_judge": ["reward.components.vlm_judge.url=http://127.0.0.1:8000/v1", "reward.components.vlm_judge.model=judge"],
+}
 
 
 def options(group):
@@ -29,7 +37,13 @@ def compose_and_validate(choice: dict, tiny_cache, synthetic_pairs, tmp_path):
         overrides.append("data=pairs")
     if choice.get("algorithm") == "dpo" or choice.get("data") == "pairs":
         overrides.append(f"data.pairs={synthetic_pairs}")
+    overrides += REWARD_NEEDS.get(choice.get("reward"), [])
     cfg = compose_config(overrides, tmp_path)
+    if choice.get("reward") in LOCAL_MODEL_REWARDS:
+        # a learned reward's checkpoint is a local directory the user names: the error says which key
+        with pytest.raises(ConfigError, match=f"full_key: reward.components.{choice['reward']}.path"):
+            validate(cfg)
+        return None
     if cfg.model.tiny_seed is None:
         cfg = compose_config(overrides + [f"model.path={get_family(cfg.model.family).tiny_path(tiny_cache, 0)}"], tmp_path)
     if choice.get("rollout") == "vllm" and engine_unavailable(VllmOptions()):

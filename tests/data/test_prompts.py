@@ -24,3 +24,26 @@ def test_order_is_seeded_and_covers_each_epoch():
     assert sorted(epoch) == sorted(prompts)
     assert items_for_step(prompts, 3, 4, seed=1) == items_for_step(prompts, 3, 4, seed=1)
     assert items_for_step(prompts, 0, 10, seed=1) != items_for_step(prompts, 0, 10, seed=2)
+
+
+def test_jsonl_items_carry_their_metadata_and_line(tmp_path):
+    import pickle
+
+    path = tmp_path / "items.jsonl"
+    path.write_text('{"prompt": "a photo of a bench", "tag": "single_object", "include": [{"class": "bench", "count": 1}]}\n\n{"prompt": "a cat", "tag": "colors"}\n')
+    prompts = load_prompts(str(path))
+    assert prompts == ["a photo of a bench", "a cat"] and prompts[1].origin == f"{path}, line 3"
+    assert prompts[0].metadata == {"tag": "single_object", "include": [{"class": "bench", "count": 1}]}
+    picked = items_for_step(prompts, 0, 2, seed=0)
+    assert {p.metadata["tag"] for p in picked} == {"single_object", "colors"}  # the same objects, metadata kept
+    copy = pickle.loads(pickle.dumps(prompts[0]))  # as a Ray worker group ships them
+    assert copy == prompts[0] and copy.metadata == prompts[0].metadata and copy.origin == prompts[0].origin
+
+
+@pytest.mark.parametrize("line, reason", [("{not json", "not JSON"), ('{"text": "x"}', "non-empty string 'prompt'"), ('["a"]', "an object")])
+def test_bad_jsonl_lines_are_named(tmp_path, line, reason):
+    path = tmp_path / "items.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=f"data.train={path}: {path}, line 2: .*{reason}"):
+        load_prompts(str(path))
+    assert load_prompts(str(path), skip_bad_rows=True) == ["fine"]

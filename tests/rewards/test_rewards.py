@@ -51,9 +51,15 @@ def test_component_options_are_typed():
 
 
 def test_unknown_reward_lists_the_available():
-    with pytest.raises(KeyError, match="reward.components=aesthetic.*available.*brightness"):
-        reward_options("aesthetic", {})
-    assert {"brightness", "color", "jpeg_compressibility"} <= set(REWARDS.names())
+    with pytest.raises(KeyError, match="reward.components=aesthetics.*available.*brightness"):
+        reward_options("aesthetics", {})
+    expected = {"brightness", "color", "jpeg_compressibility", "http", "ocr", "pickscore", "clipscore", "aesthetic"}
+    assert expected <= set(REWARDS.names()) and not {"base", "protocol", "serve", "clip_base"} & set(REWARDS.names())
+
+
+def test_a_missing_mandatory_option_names_the_component():
+    with pytest.raises(ValueError, match="reward.components.pickscore: .*missing mandatory value: path"):
+        reward_options("pickscore", {})
 
 
 def test_setup_and_teardown_reach_each_component():
