@@ -124,7 +124,7 @@ def test_exported_lora_loads_in_diffusers(four_steps, tiny_sd3_dir):
 BAD_INPUT = {
     "group size": (["algorithm.group_size=5"], "algorithm.group_size"),
     "resolution": (["rollout.resolution=40"], "rollout.resolution"),
-    "reward": (["+reward.components.aesthetic={}"], "reward.components=aesthetic: no such reward"),
+    "reward": (["+reward.components.aesthetics={}"], "reward.components=aesthetics: no such reward"),
     "missing prompts": (["data.train=/nonexistent/prompts.txt"], "data.train=/nonexistent/prompts.txt"),
     "LoRA targets": (["model.lora.target_modules=[to_qv]"], "model.lora.target_modules: ['to_qv'] match no module"),
     "no steps": (["trainer.steps=0"], "trainer.eval_only=true"),
