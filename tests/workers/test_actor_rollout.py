@@ -47,6 +47,8 @@ CASES = {
     "cfg": ["model.guidance_scale=3.0"],
     "fast_window": ["algorithm=flow_grpo_fast"],
     "base_from_sync": ["rollout.load_base=false"],
+    # packed latents, two block containers, the distilled guidance embedding
+    "flux": ["model=flux_tiny"],
 }
 
 

@@ -29,10 +29,10 @@ pytestmark = pytest.mark.slow
 SMALL = ["trainer.batch_size=8", "algorithm.group_size=4", "trainer.micro_batch_size=4", "trainer.eval_images_per_prompt=1"]
 
 
-def build(n_workers, tiny_cache, tmp_path):
+def build(n_workers, tiny_cache, tmp_path, *overrides):
     from omni.workers import build_actor_rollout
 
-    cfg = validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.n_workers={n_workers}", *SMALL], tmp_path))
+    cfg = validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.n_workers={n_workers}", *SMALL, *overrides], tmp_path))
     return cfg, build_actor_rollout(cfg, model_path(cfg.model))
 
 
@@ -45,11 +45,16 @@ def max_difference(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def test_two_workers_match_one_worker(tiny_cache, tmp_path):
+# SD3 under FSDP2; FLUX (two block containers, packed latents) under FSDP1, synced one block at a time
+MODELS = {"sd3-fsdp2": [], "flux-fsdp1-layered": ["model=flux_tiny", "model.fsdp.version=1", "rollout.layered_summon=true"]}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_two_workers_match_one_worker(model, tiny_cache, tmp_path):
     """Same prompts and seeds: the 2-worker rollout is the 1-worker one image by image; the
-    update of the same batch (2 minibatches, FSDP2 over 2 gloo ranks) gives the same LoRA and
+    update of the same batch (2 minibatches, FSDP over 2 gloo ranks) gives the same LoRA and
     gradient norm; after the weight sync both workers' engines sample with the new LoRA."""
-    cfg, one = build(1, tiny_cache, tmp_path)
+    cfg, one = build(1, tiny_cache, tmp_path, *MODELS[model])
     prompts = ["a red cat"] * 4 + ["a blue dog"] * 4
     seeds = step_seeds(0, 0, len(prompts))
     batch = one.generate(prompts, seeds, sampling(cfg, 0))
@@ -61,7 +66,7 @@ def test_two_workers_match_one_worker(tiny_cache, tmp_path):
     one_after = one.generate(prompts, seeds, sampling(cfg, 1))
     one.shutdown()
 
-    _, two = build(2, tiny_cache, tmp_path)
+    _, two = build(2, tiny_cache, tmp_path, *MODELS[model])
     try:
         assert max_difference(two.lora_state_dict(), initial_lora) == 0
         two_batch = two.generate(prompts, seeds, sampling(cfg, 0))
