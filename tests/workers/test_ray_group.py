@@ -45,8 +45,10 @@ def max_difference(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-# SD3 under FSDP2; FLUX (two block containers, packed latents) under FSDP1, synced one block at a time
-MODELS = {"sd3-fsdp2": [], "flux-fsdp1-layered": ["model=flux_tiny", "model.fsdp.version=1", "rollout.layered_summon=true"]}
+# SD3; FLUX (two block containers, packed latents, blocks that return views of one tensor)
+# synced one block at a time. Both under FSDP2 (the FSDP1 cells of tests/test_fsdp_utils.py
+# cover FLUX's collection there).
+MODELS = {"sd3": [], "flux-layered": ["model=flux_tiny", "rollout.layered_summon=true"]}
 
 
 @pytest.mark.parametrize("model", MODELS)
