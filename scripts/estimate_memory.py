@@ -8,6 +8,7 @@ the LoRA the run's config puts on it and the optimizer state, and estimates acti
     python scripts/estimate_memory.py --arch sd3.5-large --resolution 1024 --micro-batch 2 \
         --gradient-checkpointing experiment=sd3_flow_grpo model.path=/ckpt/sd3.5-large
     python scripts/estimate_memory.py model=flux trainer.n_workers=8   # FLUX.1-dev/-schnell on 8 GPUs
+    python scripts/estimate_memory.py experiment=flux_flow_grpo --resolution 512  # a preset chooses the model
 
 Trailing arguments are the run's Hydra overrides (model family, LoRA rank and targets, dtype,
 workers, FSDP version, text length, guidance). Prints JSON, one object per configuration, in GiB.
@@ -107,8 +108,9 @@ def main(argv=None) -> None:
     parser.add_argument("--micro-batch", type=int, help="default: trainer.micro_batch_size")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="only with (default: both)")
     args, overrides = parser.parse_known_args(argv)
-    chosen = [o for o in overrides if o.startswith("model=")]
-    cfg = run_config([*(chosen or ["model=sd3"]), "model.path=/unused", "trainer=gpu", *(o for o in overrides if o not in chosen)])
+    # the model a preset or `model=` chooses, else SD3 (a real checkpoint's settings, not the tiny one's)
+    chosen = any(o.startswith(("model=", "experiment=")) for o in overrides)
+    cfg = run_config([*([] if chosen else ["model=sd3"]), "model.path=/unused", "trainer=gpu", *overrides])
     from omegaconf import OmegaConf
 
     from omni.models import get_family
