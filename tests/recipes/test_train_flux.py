@@ -37,6 +37,7 @@ def test_flux_run_exports_a_lora_flux_pipeline_loads(tmp_path, tiny_cache, tiny_
     assert torch.allclose(loaded, expected, atol=1e-6)
 
 
+@pytest.mark.slow  # tests/config/test_validate.py checks the same rules in-process, in the fast lane
 def test_bad_flux_resolution_fails_before_loading(tmp_path, tiny_cache):
     result = train(tmp_path / "bad", tiny_cache, "model=flux_tiny", "rollout.resolution=72", check=False)
     output = result.stdout + result.stderr
