@@ -1,6 +1,6 @@
 """Benchmark the tiny Flow-GRPO and DPO recipes on this machine; prints one JSON object.
 
-    python scripts/bench_train.py [--repeats 5]
+    python scripts/bench_train.py [--repeats 5] [hydra overrides, e.g. model=flux_tiny]
 
 - rollout: images/s of our engine (SDE steps with log-probs, trajectory kept) against the
   plain diffusers pipeline (`__call__`) on the same model, batch, steps and size;
@@ -92,11 +92,11 @@ def bench_epoch(trainer: Trainer, repeats: int) -> dict:
     return {"prompts": 2, "images_per_prompt": 4, "steps": 10, "resolution": 64, "seconds_per_epoch": seconds}
 
 
-def bench_dpo(out_dir: str, repeats: int) -> dict:
+def bench_dpo(out_dir: str, repeats: int, overrides=()) -> dict:
     from omni.data.preferences import write_synthetic_pairs
 
     pairs = write_synthetic_pairs(Path(out_dir) / "pairs", n_pairs=40, resolution=64, seed=0)
-    trainer = make_trainer(out_dir, "algorithm=dpo", "data=pairs", f"data.pairs={pairs}", "trainer.batch_size=16")
+    trainer = make_trainer(out_dir, *overrides, "algorithm=dpo", "data=pairs", f"data.pairs={pairs}", "trainer.batch_size=16")
     counter = iter(range(10_000))
     seconds = best_time(lambda: trainer.algorithm.step(next(counter)), repeats)
     trainer.cleanup()
@@ -106,10 +106,10 @@ def bench_dpo(out_dir: str, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    args, overrides = parser.parse_known_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as out_dir:
-        trainer = make_trainer(out_dir, "trainer.batch_size=8", "algorithm.group_size=4")
+        trainer = make_trainer(out_dir, *overrides, "trainer.batch_size=8", "algorithm.group_size=4")
         result = {
             "torch_threads": torch.get_num_threads(),
             "rollout": bench_rollout(trainer, 8, args.repeats),
@@ -117,7 +117,7 @@ def main() -> None:
             "epoch": bench_epoch(trainer, args.repeats),
         }
         trainer.cleanup()
-        result["dpo"] = bench_dpo(out_dir, args.repeats)
+        result["dpo"] = bench_dpo(out_dir, args.repeats, overrides)
     print(json.dumps(result, indent=2))
 
 

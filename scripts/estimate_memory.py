@@ -7,15 +7,20 @@ the LoRA the run's config puts on it and the optimizer state, and estimates acti
     python scripts/estimate_memory.py                      # SD3.5-Medium/Large, 512/1024 px, +-checkpointing
     python scripts/estimate_memory.py --arch sd3.5-large --resolution 1024 --micro-batch 2 \
         --gradient-checkpointing experiment=sd3_flow_grpo model.path=/ckpt/sd3.5-large
+    python scripts/estimate_memory.py model=flux trainer.n_workers=8   # FLUX.1-dev/-schnell on 8 GPUs
+    python scripts/estimate_memory.py experiment=flux_flow_grpo --resolution 512  # a preset chooses the model
 
-Trailing arguments are the run's Hydra overrides (LoRA rank and targets, dtype, workers, FSDP
-version, text length, guidance). Prints JSON, one object per configuration, in GiB.
+Trailing arguments are the run's Hydra overrides (model family, LoRA rank and targets, dtype,
+workers, FSDP version, text length, guidance). Prints JSON, one object per configuration, in GiB.
+The family (`model=...`, default sd3) names its published architectures, its text encoders'
+and VAE's sizes, its token count per image and whether guidance doubles the batch.
 
 What is counted, per GPU: the actor's weights (sharded over the workers by FSDP, plus the
 two blocks it gathers at a time), the LoRA's fp32 masters, gradients and AdamW state
 (sharded too), the transformer gathered whole for the rollout (or the engine's own copy
 with rollout.share_actor=false), the text encoders (on the device only while encoding with
-rollout.offload_text_encoders) and the VAE; activations of one micro-batch's forward and backward (doubled by CFG), as 34 bytes
+rollout.offload_text_encoders) and the VAE; activations of one micro-batch's forward and
+backward (doubled by true CFG), as 34 bytes
 per token per hidden unit per block without checkpointing (Korthikanti et al. 2022's count
 for a block with memory-efficient attention) or the block inputs plus one block's with it.
 It is an estimate: allocator fragmentation and temporary buffers come on top (leave ~10%).
@@ -33,27 +38,20 @@ import torch
 
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Text-encoder and VAE parameters of SD3 / SD3.5 (CLIP-L/14, OpenCLIP bigG/14, T5-XXL
-# encoder, the 16-channel VAE), from their published configs.
-SD3_TEXT_ENCODER_PARAMS = 123_650_560 + 694_659_840 + 4_762_310_656
-SD3_VAE_PARAMS = 83_819_683
-ARCHS = ("sd3.5-medium", "sd3.5-large")
 
 
-def arch_config(name_or_path: str) -> dict:
-    if name_or_path in ARCHS:
-        return json.loads((resources.files("omni") / "models" / "configs" / f"{name_or_path}-transformer.json").read_text())
+def arch_config(family, name_or_path: str) -> dict:
+    if name_or_path in family.published_configs:
+        return json.loads((resources.files("omni") / "models" / "configs" / family.published_configs[name_or_path]).read_text())
     return json.loads((Path(name_or_path).expanduser() / "transformer" / "config.json").read_text())
 
 
-def count(config: dict, lora) -> dict:
+def count(family, config: dict, lora) -> dict:
     """Parameters of the transformer, of its largest block, and of the LoRA `lora` puts on it."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    from omni.models import get_family
     from omni.weights import peft_lora_config
 
-    family = get_family("sd3")
     model = family.meta_transformer(config=config)
     blocks = [block for prefix in family.layer_prefixes for block in model.get_submodule(prefix.rstrip(".")).children()]
     peft_config = peft_lora_config(lora)
@@ -67,22 +65,23 @@ def count(config: dict, lora) -> dict:
         "block_params": max(sum(p.numel() for p in b.parameters()) for b in blocks),
         "lora_params": lora_params,
         "hidden": config["num_attention_heads"] * config["attention_head_dim"],
-        "blocks": config["num_layers"],
-        "patch": config["patch_size"],
+        "blocks": len(blocks),
+        "text_encoder_params": family.text_encoder_params,
+        "vae_params": family.vae_params,
     }
 
 
 def estimate(
-    sizes: dict, resolution: int, micro_batch: int, workers: int, fsdp: int, dtype: str, text_tokens: int, cfg: bool,
-    checkpointing: bool, shared: bool = True, offload: bool = True,
+    sizes: dict, tokens: int, micro_batch: int, workers: int, fsdp: int, dtype: str, passes: int, checkpointing: bool,
+    shared: bool = True, offload: bool = True,
 ) -> dict:
-    """GiB per GPU of each part, and the peak over the phases of a step: training, the
-    rollout (a shared actor is gathered whole for it; else the engine keeps its own copy) and
-    prompt encoding (offloaded text encoders are on the device only then)."""
+    """GiB per GPU of each part for `tokens` per image and `passes` transformer passes per
+    image, and the peak over the phases of a step: training, the rollout (a shared actor is
+    gathered whole for it; else the engine keeps its own copy) and prompt encoding (offloaded
+    text encoders are on the device only then)."""
     width = BYTES[dtype]
     shards = workers if fsdp in (1, 2) and workers > 1 else 1
-    tokens = (resolution // (8 * sizes["patch"])) ** 2 + text_tokens
-    batch = micro_batch * (2 if cfg else 1)
+    batch = micro_batch * passes
     per_block = 34 * tokens * batch * sizes["hidden"] * width / 2  # 34 bytes per element at 2-byte width
     block_inputs = tokens * batch * sizes["hidden"] * width * sizes["blocks"]
     full = sizes["params"] * width
@@ -91,8 +90,8 @@ def estimate(
         "lora_weights_grads_adam": sizes["lora_params"] * 4 * 4 / shards,
         "engine_transformer": 0 if shared else full,
         "rollout_gathered_transformer": full - full / shards if shared else 0,
-        "text_encoders": SD3_TEXT_ENCODER_PARAMS * width,
-        "vae": SD3_VAE_PARAMS * 4,
+        "text_encoders": sizes["text_encoder_params"] * width,
+        "vae": sizes["vae_params"] * 4,
         "activations": block_inputs + per_block if checkpointing else per_block * sizes["blocks"],
     }
     always = parts["actor_weights"] + parts["lora_weights_grads_adam"] + parts["engine_transformer"] + parts["vae"]
@@ -120,35 +119,40 @@ def run_config(overrides):
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", help=f"one of {ARCHS} or a checkpoint directory (default: model.path, else both)")
+    parser.add_argument("--arch", help="a published architecture of the family or a checkpoint directory (default: model.path, else all)")
     parser.add_argument("--resolution", type=int, action="append", help="default: 512 and 1024")
     parser.add_argument("--micro-batch", type=int, help="default: trainer.micro_batch_size")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="only with (default: both)")
     args, overrides = parser.parse_known_args(argv)
-    cfg = run_config(["model=sd3", "model.path=/unused", "trainer=gpu", *overrides])
+    # the model a preset or `model=` chooses, else SD3 (a real checkpoint's settings, not the tiny one's)
+    chosen = any(o.startswith(("model=", "experiment=")) for o in overrides)
+    cfg = run_config([*([] if chosen else ["model=sd3"]), "model.path=/unused", "trainer=gpu", *overrides])
     from omegaconf import OmegaConf
 
     from omni.config.rollout import Engine, shares_actor
+    from omni.models import get_family
 
     cfg.rollout.engine = Engine(cfg.rollout.engine)
+    family = get_family(cfg.model.family)
     lora = OmegaConf.to_object(cfg.model.lora)
-    lora.target_modules = lora.target_modules or ["to_q", "to_k", "to_v", "to_out.0"]
-    archs = [args.arch] if args.arch else ([cfg.model.path] if Path(cfg.model.path).is_dir() else list(ARCHS))
+    lora.target_modules = lora.target_modules or list(family.lora_targets)
+    archs = [args.arch] if args.arch else ([cfg.model.path] if Path(cfg.model.path).is_dir() else list(family.published_configs))
     dtype = "bfloat16" if cfg.model.dtype == "auto" else str(cfg.model.dtype.value)
     guidance = cfg.rollout.guidance_scale if cfg.rollout.guidance_scale is not None else cfg.model.guidance_scale
-    text_tokens = 77 + cfg.model.max_sequence_length
     micro_batch = args.micro_batch or cfg.trainer.micro_batch_size
     results = []
     for arch in archs:
-        sizes = count(arch_config(arch), lora)
+        config = arch_config(family, arch)
+        sizes = count(family, config, lora)
         for resolution in args.resolution or [512, 1024]:
             for checkpointing in [True] if args.gradient_checkpointing else [False, True]:
-                settings = dict(resolution=resolution, micro_batch=micro_batch, workers=cfg.trainer.n_workers,
-                                fsdp=cfg.model.fsdp.version, dtype=dtype, text_tokens=text_tokens, cfg=guidance > 1,
-                                checkpointing=checkpointing, shared=shares_actor(cfg),
-                                offload=cfg.rollout.offload_text_encoders)  # fmt: skip
+                tokens = family.sequence_length(config, resolution, cfg.model.max_sequence_length)
+                settings = dict(micro_batch=micro_batch, workers=cfg.trainer.n_workers, fsdp=cfg.model.fsdp.version,
+                                dtype=dtype, passes=family.forward_passes(guidance), checkpointing=checkpointing,
+                                shared=shares_actor(cfg), offload=cfg.rollout.offload_text_encoders)  # fmt: skip
                 results.append({"arch": arch, "params": sizes["params"], "lora_params": sizes["lora_params"],
-                                **settings, "gib_per_gpu": estimate(sizes, **settings)})  # fmt: skip
+                                "resolution": resolution, "tokens": tokens, **settings,
+                                "gib_per_gpu": estimate(sizes, tokens, **settings)})  # fmt: skip
     json.dump(results, sys.stdout, indent=1)
     print()
 

@@ -1,5 +1,5 @@
-"""Shared fixtures: the real Hydra config composed with the compose API, and one tiny SD3
-checkpoint built offline per test session."""
+"""Shared fixtures: the real Hydra config composed with the compose API, and one tiny SD3 (and
+one tiny FLUX) checkpoint built offline per test session."""
 
 from __future__ import annotations
 
@@ -38,6 +38,13 @@ def tiny_sd3_dir(tiny_cache) -> Path:
     from omni.models.sd3 import tiny_sd3_path
 
     return tiny_sd3_path(tiny_cache, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_dir(tiny_cache) -> Path:
+    from omni.models.flux import tiny_flux_path
+
+    return tiny_flux_path(tiny_cache, seed=0)
 
 
 @pytest.fixture(scope="session")

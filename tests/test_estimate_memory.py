@@ -36,8 +36,9 @@ def test_counts_match_the_loaded_model(tiny_sd3_dir, capsys):
 
 def test_sharing_the_actor_and_offloading_the_encoders_lower_the_peak():
     script = load_script()
-    sizes = dict(params=2_000_000_000, block_params=80_000_000, lora_params=10_000_000, hidden=1536, blocks=24, patch=2)
-    settings = dict(resolution=512, micro_batch=4, workers=8, fsdp=2, dtype="bfloat16", text_tokens=333, cfg=True, checkpointing=True)
+    sizes = dict(params=2_000_000_000, block_params=80_000_000, lora_params=10_000_000, hidden=1536, blocks=24, patch=2,
+                 text_encoder_params=5_000_000_000, vae_params=80_000_000)  # fmt: skip
+    settings = dict(tokens=1357, micro_batch=4, workers=8, fsdp=2, dtype="bfloat16", passes=2, checkpointing=True)
     own_copy = script.estimate(sizes, **settings, shared=False, offload=False)
     shared = script.estimate(sizes, **settings, shared=True, offload=False)
     offloaded = script.estimate(sizes, **settings, shared=True, offload=True)
@@ -46,3 +47,29 @@ def test_sharing_the_actor_and_offloading_the_encoders_lower_the_peak():
     assert shared["rollout_gathered_transformer"] == round(2_000_000_000 * 2 * 7 / 8 / 2**30, 2)
     assert offloaded["train_phase"] == pytest.approx(shared["train_phase"] - shared["text_encoders"], abs=0.02)
     assert own_copy["total"] > shared["total"] > offloaded["total"]
+
+
+def test_flux_counts_match_the_loaded_model(tiny_flux_dir, capsys):
+    from omni.config.model import LoraConfig
+    from omni.models.flux import FAMILY
+    from omni.weights import add_lora_adapter
+
+    load_script().main(["--arch", str(tiny_flux_dir), "--resolution", "64", "model=flux_tiny", "model.lora.rank=4"])
+    (plain, _) = json.loads(capsys.readouterr().out)
+    transformer = FAMILY.load_transformer(tiny_flux_dir, torch.float32)
+    assert plain["params"] == sum(p.numel() for p in transformer.parameters())
+    add_lora_adapter(transformer, LoraConfig(rank=4, target_modules=list(FAMILY.lora_targets)))
+    assert plain["lora_params"] == sum(p.numel() for p in transformer.parameters() if p.requires_grad)
+    assert plain["tokens"] == (64 // 16) ** 2 + 16
+
+
+def test_published_flux_on_eight_gpus(capsys):
+    """FLUX.1-dev's real architecture (the "12B" transformer, 19 double and 38 single blocks),
+    its distilled guidance in one pass, sharded over 8 workers."""
+    load_script().main(["model=flux", "trainer.n_workers=8", "--resolution", "1024", "--gradient-checkpointing"])
+    rows = {r["arch"]: r for r in json.loads(capsys.readouterr().out)}
+    dev = rows["flux.1-dev"]
+    assert set(rows) == {"flux.1-dev", "flux.1-schnell"} and 11.8e9 < dev["params"] < 12.0e9
+    assert dev["passes"] == 1 and dev["tokens"] == (1024 // 16) ** 2 + 512 and dev["workers"] == 8
+    one_gpu = dev["params"] * 2 / 2**30
+    assert dev["gib_per_gpu"]["actor_weights"] < one_gpu / 4

@@ -80,6 +80,10 @@ def check_lora_targets(model, family: ModelFamily) -> None:
 def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
     rollout, model = cfg.rollout, cfg.model
     if rollout.engine == Engine.vllm:
+        require(
+            family.vllm_served,
+            f"rollout=vllm: model.family={family.name} is not yet served by the vLLM-Omni engine; use rollout=diffusers",
+        )
         check_vllm_rollout(rollout)
     multiple = family.tiny_resolution_multiple() if model.tiny_seed is not None else family.resolution_multiple(model.path)
     require(
@@ -96,6 +100,18 @@ def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
         "rollout.layered_summon=true needs the base weights already in the engine, but "
         "rollout.load_base=false starts it without them; set rollout.load_base=true or layered_summon=false",
     )
+    check_family_settings(cfg, family)
+
+
+def check_family_settings(cfg: TrainConfig, family: ModelFamily) -> None:
+    """The family's own rules (a guidance it does not take, a text length its encoder
+    cannot), from the transformer's config: no weights read."""
+    model = cfg.model
+    config = family.tiny_transformer_config() if model.tiny_seed is not None else family.transformer_config(model.path)
+    try:
+        family.check_settings(config, model, cfg.rollout)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def check_share_actor(cfg: TrainConfig) -> None:

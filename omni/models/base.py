@@ -64,6 +64,13 @@ class ModelFamily:
     # Modules a LoRA targets by default, and the pipeline's text encoder attributes.
     lora_targets: Tuple[str, ...] = ()
     text_encoders: Tuple[str, ...] = ()
+    # Whether the vLLM-Omni engine (rollout=vllm) serves this family; validation refuses it otherwise.
+    vllm_served: bool = False
+    # For memory estimates: published architectures (name -> transformer config in
+    # omni/models/configs/) and the parameters of their text encoders and VAE.
+    published_configs: Dict[str, str] = {}
+    text_encoder_params: int = 0
+    vae_params: int = 0
 
     # ----------------------------------------------------------------- checkpoints
     def tiny_path(self, cache_dir: str | os.PathLike, seed: int) -> Path:
@@ -82,6 +89,11 @@ class ModelFamily:
             )
         return root
 
+    def check_settings(self, transformer_config: dict, model, rollout) -> None:
+        """The family's own rules on the run's `model` and (resolved) `rollout` settings,
+        checked before any model loads from the transformer's config alone: a ValueError
+        names the key and what the family takes."""
+
     def tiny_resolution_multiple(self) -> int:
         """`resolution_multiple` of the tiny model, known without building it."""
         raise NotImplementedError(f"model family {self.name} has no tiny builder")
@@ -92,6 +104,14 @@ class ModelFamily:
         vae = json.loads((root / "vae" / "config.json").read_text())
         patch = json.loads((root / "transformer" / "config.json").read_text())["patch_size"]
         return 2 ** (len(vae["block_out_channels"]) - 1) * patch
+
+    def sequence_length(self, transformer_config: dict, resolution: int, max_sequence_length: int) -> int:
+        """Tokens (image and text) a transformer block attends over for one image."""
+        raise NotImplementedError(f"model family {self.name} has no memory estimate")
+
+    def forward_passes(self, guidance_scale: float) -> int:
+        """Transformer passes per image and velocity (2 under classifier-free guidance)."""
+        return 1
 
     # ----------------------------------------------------------------- loading
     def _diffusers(self, name: str):

@@ -21,16 +21,10 @@ import torch
 
 from omni.atomic import write_directory
 from omni.models.base import Conditioning, ModelFamily
+from omni.models.tiny_parts import TINY_VAE_FACTOR, autoencoder_kl, clip_encoder, clip_tokenizer, t5_encoder, t5_tokenizer
 
 # Bump when the tiny architecture changes, so stale caches are not reused.
 TINY_BUILDER_VERSION = 4
-
-_TINY_WORDS = (
-    "a an the of in on with and photo painting picture of "
-    "red green blue yellow white black orange purple pink gray "
-    "cat dog square circle car house tree flower bird apple sky sea"
-).split()
-_ALPHABET = [chr(c) for c in range(33, 127)]
 
 TINY_TRANSFORMER = dict(
     sample_size=8,
@@ -46,8 +40,6 @@ TINY_TRANSFORMER = dict(
     pos_embed_max_size=32,
 )
 TINY_TEXT_LENGTH = 16
-TINY_DECODER_GAIN = 4.0
-TINY_VAE_FACTOR = 8
 
 
 def tiny_transformer_config(**overrides) -> dict:
@@ -62,119 +54,21 @@ def build_tiny_transformer(seed: int = 0, **overrides):
     return SD3Transformer2DModel(**tiny_transformer_config(**overrides))
 
 
-def _clip_vocabulary():
-    """CLIP's BPE vocabulary and merges for the tiny words, written out rather than trained
-    (a trained BPE breaks ties between equally frequent pairs differently from one process
-    to the next, which would make the "same seed" model differ). Every character also has a
-    `</w>` form, so no text falls back to the unknown token (which CLIP shares with eos,
-    where it pools); each word is merged left to right into one token."""
-    vocab = ["<|startoftext|>", "<|endoftext|>"] + _ALPHABET + [c + "</w>" for c in _ALPHABET]
-    merges = []
-    for word in sorted(set(_TINY_WORDS)):
-        symbols = list(word[:-1]) + [word[-1] + "</w>"]
-        while len(symbols) > 1:
-            pair = (symbols[0], symbols[1])
-            if pair not in merges:
-                merges.append(pair)
-                vocab.append(pair[0] + pair[1])
-            symbols = [pair[0] + pair[1]] + symbols[2:]
-    return {token: i for i, token in enumerate(dict.fromkeys(vocab))}, merges
-
-
-def _clip_tokenizer(max_length: int):
-    from transformers import CLIPTokenizer
-
-    vocab, merges = _clip_vocabulary()
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
-
-
-def _t5_tokenizer(max_length: int):
-    from transformers import T5Tokenizer
-
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -3.0)]
-    vocab += [("\u2581" + w, -1.0) for w in dict.fromkeys(_TINY_WORDS)]
-    vocab += [(c, -5.0) for c in _ALPHABET]
-    return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=max_length)
-
-
-def _clip_encoder(tokenizer, seed: int):
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
-    config = CLIPTextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        projection_dim=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=tokenizer.model_max_length,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(seed)
-    return CLIPTextModelWithProjection(config)
-
-
-def _t5_encoder(tokenizer, seed: int):
-    from transformers import T5Config, T5EncoderModel
-
-    config = T5Config(
-        vocab_size=len(tokenizer),
-        d_model=TINY_TRANSFORMER["joint_attention_dim"],
-        d_kv=16,
-        d_ff=64,
-        num_layers=2,
-        num_heads=2,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(seed)
-    return T5EncoderModel(config)
-
-
-def _vae(seed: int):
-    from diffusers import AutoencoderKL
-
-    channels = (8, 8, 16, 16)  # four levels (TINY_VAE_FACTOR): a 64 px image is an 8x8 latent
-    torch.manual_seed(seed)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * len(channels),
-        up_block_types=("UpDecoderBlock2D",) * len(channels),
-        block_out_channels=channels,
-        layers_per_block=1,
-        latent_channels=TINY_TRANSFORMER["in_channels"],
-        norm_num_groups=4,
-        sample_size=64,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        shift_factor=0.0609,
-        scaling_factor=1.5305,
-    )
-    # A random decoder maps every latent to nearly the same grey; a larger output layer
-    # spreads images over the pixel range, as a trained decoder does.
-    with torch.no_grad():
-        vae.decoder.conv_out.weight.mul_(TINY_DECODER_GAIN)
-    return vae
-
-
 def build_tiny_sd3_pipeline(seed: int = 0):
     """A complete random SD3 pipeline, identical for identical seeds."""
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
-    clip_tok = _clip_tokenizer(TINY_TEXT_LENGTH)
-    t5_tok = _t5_tokenizer(TINY_TEXT_LENGTH)
+    clip_tok = clip_tokenizer(TINY_TEXT_LENGTH)
+    t5_tok = t5_tokenizer(TINY_TEXT_LENGTH)
     return StableDiffusion3Pipeline(
         transformer=build_tiny_transformer(seed),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=_vae(seed + 1),
-        text_encoder=_clip_encoder(clip_tok, seed + 2),
+        vae=autoencoder_kl(seed + 1, TINY_TRANSFORMER["in_channels"], shift_factor=0.0609, scaling_factor=1.5305),
+        text_encoder=clip_encoder(clip_tok, seed + 2),
         tokenizer=clip_tok,
-        text_encoder_2=_clip_encoder(clip_tok, seed + 3),
-        tokenizer_2=_clip_tokenizer(TINY_TEXT_LENGTH),
-        text_encoder_3=_t5_encoder(t5_tok, seed + 4),
+        text_encoder_2=clip_encoder(clip_tok, seed + 3),
+        tokenizer_2=clip_tokenizer(TINY_TEXT_LENGTH),
+        text_encoder_3=t5_encoder(t5_tok, seed + 4, TINY_TRANSFORMER["joint_attention_dim"]),
         tokenizer_3=t5_tok,
     )
 
@@ -212,6 +106,11 @@ class SD3Family(ModelFamily):
     layer_prefixes = ("transformer_blocks.",)
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    vllm_served = True
+    published_configs = {"sd3.5-medium": "sd3.5-medium-transformer.json", "sd3.5-large": "sd3.5-large-transformer.json"}
+    # CLIP-L/14, OpenCLIP bigG/14 and the T5-XXL encoder; the 16-channel VAE (published configs).
+    text_encoder_params = 123_650_560 + 694_659_840 + 4_762_310_656
+    vae_params = 83_819_683
 
     def tiny_path(self, cache_dir, seed: int) -> Path:
         return tiny_sd3_path(cache_dir, seed)
@@ -221,6 +120,13 @@ class SD3Family(ModelFamily):
 
     def tiny_resolution_multiple(self) -> int:
         return TINY_VAE_FACTOR * TINY_TRANSFORMER["patch_size"]
+
+    def sequence_length(self, transformer_config: dict, resolution: int, max_sequence_length: int) -> int:
+        """Image patches plus the joint text sequence (CLIP's 77 tokens, then T5's)."""
+        return (resolution // (8 * transformer_config["patch_size"])) ** 2 + 77 + max_sequence_length
+
+    def forward_passes(self, guidance_scale: float) -> int:
+        return 2 if guidance_scale > 1 else 1
 
     def encode_prompts(self, pipe, prompts: List[str], guidance_scale: float, max_sequence_length: int, device) -> PromptEmbeds:
         """Text embeddings of `prompts` (and of the empty negative prompt under CFG)."""

@@ -13,10 +13,11 @@ from omni.trainer import Trainer
 from tests.conftest import compose_config
 
 
-@pytest.fixture
-def offline_trainer(tiny_cache, synthetic_pairs, tmp_path):
+@pytest.fixture(params=["sd3_tiny", "flux_tiny"])
+def offline_trainer(request, tiny_cache, synthetic_pairs, tmp_path):
+    """Offline DPO on each tiny family (FLUX: the pairs' images encoded to packed latents)."""
     cfg = validate(compose_config(
-        [f"model.cache_dir={tiny_cache}", "algorithm=dpo", "data=pairs", f"data.pairs={synthetic_pairs}",
+        [f"model={request.param}", f"model.cache_dir={tiny_cache}", "algorithm=dpo", "data=pairs", f"data.pairs={synthetic_pairs}",
          "trainer.batch_size=16", "trainer.progress_bar=false"], tmp_path,
     ))
     trainer = Trainer(cfg)

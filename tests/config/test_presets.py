@@ -73,3 +73,10 @@ def test_search_composes_and_validates(name, tiny_cache, tmp_path):
     with open_dict(cfg):
         del cfg["hydra"]
     validate(cfg)
+
+
+def test_flux_preset_has_the_published_settings(tmp_path):
+    cfg = compose_config(["experiment=flux_flow_grpo", "model.path=/ckpt/FLUX.1-dev"], tmp_path)
+    assert cfg.model.family == "flux" and (cfg.model.lora.rank, cfg.model.lora.alpha, cfg.trainer.lr) == (64, 128, 3e-4)
+    assert (cfg.algorithm.clip_range, cfg.algorithm.kl_coef, cfg.algorithm.group_size) == (1e-4, 0.0, 24)
+    assert (cfg.rollout.num_steps, cfg.rollout.noise_level, cfg.rollout.guidance_scale, cfg.rollout.resolution) == (6, 0.9, 3.5, 512)

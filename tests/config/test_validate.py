@@ -147,3 +147,39 @@ def test_validation_builds_no_model(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sd3, "write_tiny_sd3", lambda *a, **k: pytest.fail("validation built a model"))
     validate(compose_config([f"model.cache_dir={tmp_path}"]))
+
+
+# FLUX: a resolution it cannot take (VAE factor 8 x 2x2 packing), prefixes it lacks, a text
+# longer than its T5 takes, an engine that does not serve it
+FLUX_BAD = [
+    (["rollout.resolution=72"], "rollout.resolution=72: this model takes multiples of 16"),
+    (["model.fsdp.layer_prefixes=[transformer_blocks.,blocks.]"], "'blocks.' names no block container of flux"),
+    (["model.max_sequence_length=600"], "model.max_sequence_length=600: FLUX's T5 takes at most 512"),
+    (["rollout=vllm", "rollout.options.backend=local"], "model.family=flux is not yet served by the vLLM-Omni engine"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", FLUX_BAD, ids=[m.split(":")[0] for _, m in FLUX_BAD])
+def test_bad_flux_config_says_what_flux_takes(overrides, message, tmp_path, monkeypatch):
+    import omni.models.flux as flux
+
+    monkeypatch.setattr(flux, "write_tiny_flux", lambda *a, **k: pytest.fail("validation built a model"))
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(["model=flux_tiny", f"model.cache_dir={tmp_path}", *overrides]))
+    assert message in str(info.value)
+
+
+def test_flux_schnell_takes_no_guidance(tmp_path):
+    """A checkpoint without FLUX.1-dev's guidance embedding, read from its config alone."""
+    from omni.models.flux import write_tiny_flux
+
+    schnell = write_tiny_flux(tmp_path / "schnell", guidance_embeds=False)
+    real = ["model=flux", f"model.path={schnell}", "model.resolution=64", "model.max_sequence_length=16"]
+    with pytest.raises(ConfigError, match="rollout.guidance_scale=3.5: this FLUX transformer has no guidance embedding"):
+        validate(compose_config(real))
+    assert validate(compose_config([*real, "model.guidance_scale=0"])).rollout.guidance_scale == 0
+
+
+def test_flux_without_path_says_what_to_pass():
+    with pytest.raises(ConfigError, match="model.path"):
+        validate(compose_config(["model=flux"]))

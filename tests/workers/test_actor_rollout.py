@@ -50,6 +50,8 @@ CASES = {
     "fast_window": ["algorithm=flow_grpo_fast", OWN_COPY],
     "base_from_sync": ["rollout.load_base=false", OWN_COPY],
     "shared_actor": [],
+    # packed latents, two block containers, the distilled guidance embedding
+    "flux": ["model=flux_tiny", OWN_COPY],
 }
 
 

@@ -45,13 +45,24 @@ def max_difference(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("fsdp_version", [2, 0])
-def test_two_workers_match_one_worker(fsdp_version, tiny_cache, tmp_path):
+# SD3 under FSDP2 and with a replicated base; FLUX (two block containers, packed latents,
+# blocks that return views of one tensor) under FSDP2, its engine a copy synced one block at
+# a time (the FSDP1 cells of tests/test_fsdp_utils.py cover FLUX's collection there).
+MODELS = {
+    "sd3": [],
+    "sd3-replicated": ["model.fsdp.version=0"],
+    "flux-layered": ["model=flux_tiny", "rollout.share_actor=false", "rollout.layered_summon=true"],
+}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_two_workers_match_one_worker(model, tiny_cache, tmp_path):
     """Same prompts and seeds: the 2-worker rollout is the 1-worker one image by image; the
     update of the same batch (2 minibatches over 2 gloo ranks; FSDP2, or a replicated base
     with the LoRA gradients all-reduced) gives the same LoRA and gradient norm; after the
-    update both workers sample with the new LoRA."""
-    cfg, one = build(1, tiny_cache, tmp_path)
+    update (and the weight sync, for an engine with its own copy) both workers sample with
+    the new LoRA."""
+    cfg, one = build(1, tiny_cache, tmp_path, *MODELS[model])
     prompts = ["a red cat"] * 4 + ["a blue dog"] * 4
     seeds = step_seeds(0, 0, len(prompts))
     batch = one.generate(prompts, seeds, sampling(cfg, 0))
@@ -63,7 +74,7 @@ def test_two_workers_match_one_worker(fsdp_version, tiny_cache, tmp_path):
     one_after = one.generate(prompts, seeds, sampling(cfg, 1))
     one.shutdown()
 
-    _, two = build(2, tiny_cache, tmp_path, f"model.fsdp.version={fsdp_version}")
+    _, two = build(2, tiny_cache, tmp_path, *MODELS[model])
     try:
         assert max_difference(two.lora_state_dict(), initial_lora) == 0
         two_batch = two.generate(prompts, seeds, sampling(cfg, 0))

@@ -1,0 +1,241 @@
+"""FLUX.1 (dev and schnell) as a model family: a tiny random checkpoint built offline, FLUX's
+text conditioning (T5 sequence embeddings and CLIP's pooled output), packed latents, the
+resolution-dependent timestep shift, the distilled guidance embedding, and LoRA export for
+`FluxPipeline.load_lora_weights`.
+
+Sampling follows `FluxPipeline.__call__`:
+- latents are 16-channel VAE latents cut into 2x2 patches and packed into a sequence of
+  64-wide tokens, (B, (H/16) * (W/16), 64) for an H x W image; the transformer gets the
+  position of each token (`img_ids`) and all-zero text positions (`txt_ids`);
+- the noise levels are `linspace(1, 1/n, n)` shifted by exp(mu), with mu linear in the
+  number of image tokens (dev's dynamic shifting; schnell's scheduler has none);
+- FLUX.1-dev is guidance-distilled: `guidance_scale` enters the transformer as an embedding,
+  in one forward pass (no classifier-free guidance, no negative prompt). FLUX.1-schnell has
+  no guidance embedding and takes no guidance (`check_settings` refuses one).
+
+The tiny pipeline has every part a real FLUX checkpoint has (FluxTransformer2DModel, CLIP and
+T5 text encoders with real tokenizer classes, a 16-channel AutoencoderKL, FLUX.1-dev's
+scheduler config), built in memory from a seed and loaded with `FluxPipeline.from_pretrained`
+like any real checkpoint. No hub access.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Sequence
+
+import numpy as np
+import torch
+
+from omni.atomic import write_directory
+from omni.models.base import Conditioning, ModelFamily
+from omni.models.tiny_parts import TINY_VAE_FACTOR, autoencoder_kl, clip_encoder, clip_tokenizer, t5_encoder, t5_tokenizer
+
+# Bump when the tiny architecture changes, so stale caches are not reused.
+TINY_BUILDER_VERSION = 2
+
+TINY_TRANSFORMER = dict(
+    patch_size=1,
+    in_channels=64,  # 16 VAE channels x a 2x2 patch
+    num_layers=1,  # one block in each container: the layered sync walks both
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=4,
+    joint_attention_dim=64,  # the tiny T5's width
+    pooled_projection_dim=32,  # the tiny CLIP's width
+    guidance_embeds=True,
+    axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
+)
+TINY_TEXT_LENGTH = 16
+VAE_CHANNELS = 16
+# FLUX's autoencoder normalisation (vae/config.json of FLUX.1-dev).
+VAE_SHIFT_FACTOR, VAE_SCALING_FACTOR = 0.1159, 0.3611
+# FLUX.1-dev's scheduler/scheduler_config.json; schnell's has a fixed shift of 1.
+DEV_SCHEDULER = dict(
+    shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+)
+SCHNELL_SCHEDULER = dict(shift=1.0, use_dynamic_shifting=False)
+# The T5 context FluxPipeline accepts.
+MAX_SEQUENCE_LENGTH = 512
+
+
+def build_tiny_flux_pipeline(seed: int = 0, guidance_embeds: bool = True):
+    """A complete random FLUX pipeline, identical for identical seeds; `guidance_embeds`
+    False gives a schnell-like one (no guidance embedding, no dynamic shift)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    clip_tok = clip_tokenizer(TINY_TEXT_LENGTH)
+    t5_tok = t5_tokenizer(TINY_TEXT_LENGTH)
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(**{**TINY_TRANSFORMER, "guidance_embeds": guidance_embeds})
+    return FluxPipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(**(DEV_SCHEDULER if guidance_embeds else SCHNELL_SCHEDULER)),
+        vae=autoencoder_kl(seed + 1, VAE_CHANNELS, VAE_SHIFT_FACTOR, VAE_SCALING_FACTOR),
+        text_encoder=clip_encoder(clip_tok, seed + 2, with_projection=False),
+        tokenizer=clip_tok,
+        text_encoder_2=t5_encoder(t5_tok, seed + 3, TINY_TRANSFORMER["joint_attention_dim"]),
+        tokenizer_2=t5_tok,
+    )
+
+
+def write_tiny_flux(out_dir: str | os.PathLike, seed: int = 0, guidance_embeds: bool = True) -> Path:
+    """Build the tiny pipeline and save it to `out_dir` atomically (never half-written)."""
+    pipe = build_tiny_flux_pipeline(seed, guidance_embeds)
+    return write_directory(Path(out_dir), lambda tmp: pipe.save_pretrained(tmp, safe_serialization=True))
+
+
+def tiny_flux_path(cache_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """Directory of the cached tiny (dev-like) pipeline for `seed`, built on first use."""
+    key = hashlib.sha1(f"flux-tiny-v{TINY_BUILDER_VERSION}-seed{seed}".encode()).hexdigest()[:10]
+    path = Path(cache_dir).expanduser() / f"flux_tiny-{key}"
+    if not (path / "model_index.json").exists():
+        write_tiny_flux(path, seed)
+    return path
+
+
+# ----------------------------------------------------------------- packed latents
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) VAE latents -> (B, h/2 * w/2, 4C): one token per 2x2 patch."""
+    b, c, h, w = latents.shape
+    patches = latents.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return patches.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack` for square images."""
+    b, n, width = tokens.shape
+    side = math.isqrt(n)
+    patches = tokens.reshape(b, side, side, width // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return patches.reshape(b, width // 4, 2 * side, 2 * side)
+
+
+def image_ids(tokens: int, device, dtype) -> torch.Tensor:
+    """Positions (0, row, column) of a square image's packed tokens, as FluxPipeline makes them."""
+    side = math.isqrt(tokens)
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(side * side, 3)
+    return ids.to(device=device, dtype=dtype)
+
+
+@dataclass
+class FluxPromptEmbeds(Conditioning):
+    """FLUX's text conditioning per prompt: T5's sequence and CLIP's pooled embedding."""
+
+    embeds: torch.Tensor
+    pooled: torch.Tensor
+
+
+class FluxFamily(ModelFamily):
+    name = "flux"
+    pipeline_class = "FluxPipeline"
+    transformer_class = "FluxTransformer2DModel"
+    conditioning = FluxPromptEmbeds
+    layer_prefixes = ("transformer_blocks.", "single_transformer_blocks.")
+    lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    text_encoders = ("text_encoder", "text_encoder_2")
+    published_configs = {"flux.1-dev": "flux.1-dev-transformer.json", "flux.1-schnell": "flux.1-schnell-transformer.json"}
+    # CLIP ViT-L/14's text model and the T5-XXL encoder; the 16-channel autoencoder.
+    text_encoder_params = 123_060_480 + 4_762_310_656
+    vae_params = 83_819_683
+
+    def tiny_path(self, cache_dir, seed: int) -> Path:
+        return tiny_flux_path(cache_dir, seed)
+
+    def tiny_transformer_config(self) -> dict:
+        return dict(TINY_TRANSFORMER)
+
+    def tiny_resolution_multiple(self) -> int:
+        return TINY_VAE_FACTOR * 2
+
+    def resolution_multiple(self, path) -> int:
+        """The VAE's downsampling times the 2x2 packing (the transformer's own patch is 1)."""
+        import json
+
+        vae = json.loads((Path(path).expanduser() / "vae" / "config.json").read_text())
+        return 2 ** (len(vae["block_out_channels"]) - 1) * 2
+
+    def sequence_length(self, transformer_config: dict, resolution: int, max_sequence_length: int) -> int:
+        return (resolution // 16) ** 2 + max_sequence_length
+
+    def check_settings(self, transformer_config: dict, model, rollout) -> None:
+        if not transformer_config.get("guidance_embeds", False) and rollout.guidance_scale != 0:
+            raise ValueError(
+                f"rollout.guidance_scale={rollout.guidance_scale}: this FLUX transformer has no guidance embedding "
+                f"(FLUX.1-schnell) and takes no guidance; set model.guidance_scale=0 (only FLUX.1-dev's distilled "
+                f"guidance takes a scale, and FLUX has no classifier-free guidance here)"
+            )
+        if model.max_sequence_length > MAX_SEQUENCE_LENGTH:
+            raise ValueError(
+                f"model.max_sequence_length={model.max_sequence_length}: FLUX's T5 takes at most {MAX_SEQUENCE_LENGTH} tokens"
+            )
+
+    # ----------------------------------------------------------------- sampling
+    def encode_prompts(self, pipe, prompts: List[str], guidance_scale: float, max_sequence_length: int, device) -> FluxPromptEmbeds:
+        """T5 and pooled CLIP embeddings of `prompts` (FLUX has no negative prompt)."""
+        with torch.no_grad():
+            embeds, pooled, _ = pipe.encode_prompt(
+                prompt=list(prompts), prompt_2=None, device=device, max_sequence_length=max_sequence_length
+            )
+        return FluxPromptEmbeds(embeds, pooled)
+
+    def sigmas(self, pipe, num_steps: int, resolution: int) -> torch.Tensor:
+        """FluxPipeline's schedule: linspace(1, 1/n, n), shifted by the scheduler for this
+        resolution's number of image tokens (mu), then 0."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        config = pipe.scheduler.config
+        tokens = (resolution // (pipe.vae_scale_factor * 2)) ** 2
+        mu = calculate_shift(
+            tokens,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
+        return pipe.scheduler.sigmas.float().clone()
+
+    def initial_latents(self, pipe, generators: Sequence[torch.Generator], resolution: int) -> torch.Tensor:
+        size = 2 * (resolution // (pipe.vae_scale_factor * 2))
+        channels = pipe.transformer.config.in_channels // 4
+        return pack(torch.stack([torch.randn(channels, size, size, generator=g) for g in generators]))
+
+    def predict_velocity(self, transformer, latents, sigmas, cond: FluxPromptEmbeds, guidance_scale: float):
+        """The transformer's velocity at noise levels `sigmas` (FLUX takes sigma itself as the
+        timestep), with FLUX.1-dev's guidance embedding when the transformer has one."""
+        guidance = None
+        if transformer.config.guidance_embeds:
+            guidance = torch.full((latents.shape[0],), float(guidance_scale), device=latents.device, dtype=torch.float32)
+        return transformer(
+            hidden_states=latents,
+            timestep=sigmas,
+            guidance=guidance,
+            pooled_projections=cond.pooled,
+            encoder_hidden_states=cond.embeds,
+            txt_ids=torch.zeros(cond.embeds.shape[1], 3, device=latents.device, dtype=latents.dtype),
+            img_ids=image_ids(latents.shape[1], latents.device, latents.dtype),
+            return_dict=False,
+        )[0].float()
+
+    def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:
+        vae = pipe.vae
+        with torch.no_grad():
+            latents = unpack(latents) / vae.config.scaling_factor + vae.config.shift_factor
+            images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    @torch.no_grad()
+    def encode_images(self, pipe, images: torch.Tensor, device) -> torch.Tensor:
+        """Images in [0, 1] -> packed latents (the VAE posterior's mode), fp32 on the CPU."""
+        vae = pipe.vae
+        pixels = (images * 2 - 1).to(device, vae.dtype)
+        latents = vae.encode(pixels).latent_dist.mode().float()
+        return pack((latents - vae.config.shift_factor) * vae.config.scaling_factor).cpu()
+
+
+FAMILY = FluxFamily()
