@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -120,9 +120,11 @@ def sample_rollout(
     micro_batch_size: int,
     device,
     dtype,
-    prompt_cache: PromptCache,
+    prompt_cache: Optional[PromptCache] = None,
 ) -> RolloutBatch:
-    """Sample every (prompt, seed) in micro-batches; the batch the actor re-scores."""
+    """Sample every (prompt, seed) in micro-batches; the batch the actor re-scores (the
+    prompts encoded through `prompt_cache`, or a cache for this call only)."""
+    prompt_cache = prompt_cache or PromptCache(family, pipe, device, offload=False)
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     sigmas = family.sigmas(pipe, options.num_steps, options.resolution)
