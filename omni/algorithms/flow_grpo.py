@@ -2,7 +2,9 @@
 update on a worker, and the training step.
 
 GRPO needs no value network: each prompt is sampled `group_size` times and an image's
-advantage is its reward standardised within its group (or by the batch's std). The policy
+advantage is its reward minus its group's mean, divided by the group's std, the batch's std,
+or nothing (`algorithm.adv_norm`: group, global, or none as in Dr.GRPO, Liu et al. 2025,
+"Understanding R1-Zero-Like Training"). The policy
 gradient is PPO's clipped importance-ratio loss, applied per denoising step, with an
 optional KL between the policy's and the reference's Gaussian step distributions.
 Flow-GRPO-Fast samples with the SDE (and trains) only on a window of the steps.
@@ -26,31 +28,47 @@ from omni.rollout.base import RolloutBatch
 from omni.rollout.sde import sde_step
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, global_std: bool = False, eps: float = 1e-4):
+def group_advantages(rewards: torch.Tensor, group_size: int, norm: str = "group", eps: float = 1e-4):
     """Rewards ordered group by group (group_size consecutive samples per prompt) ->
-    advantages (r - mean of its group) / std (of its group, or of the whole batch)."""
+    advantages r - mean of its group, divided by the std of its group (norm "group", GRPO),
+    of the whole batch ("global") or by nothing ("none", Dr.GRPO: the std division favours
+    prompts whose images barely differ)."""
+    norm = _norm_name(norm)
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     grouped = rewards.reshape(-1, group_size).float()
     centred = grouped - grouped.mean(dim=1, keepdim=True)
-    std = rewards.float().std() if global_std else grouped.std(dim=1, keepdim=True)
+    if norm == "none":
+        return centred.reshape(-1)
+    std = rewards.float().std() if norm == "global" else grouped.std(dim=1, keepdim=True)
     return (centred / (std + eps)).reshape(-1)
 
 
-def masked_group_advantages(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, global_std: bool = False, eps: float = 1e-4):
+def masked_group_advantages(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, norm: str = "group", eps: float = 1e-4):
     """`group_advantages` over the valid rewards only; an invalid (non-finite) reward gets
     advantage 0, so its image takes no part in the update."""
+    norm = _norm_name(norm)
     if valid.all():
-        return group_advantages(rewards, group_size, global_std, eps)
+        return group_advantages(rewards, group_size, norm, eps)
     mask = valid.reshape(-1, group_size)
     grouped = torch.where(mask, rewards.reshape(-1, group_size).float(), torch.zeros(()))
     count = mask.sum(dim=1, keepdim=True)
     centred = torch.where(mask, grouped - grouped.sum(dim=1, keepdim=True) / count.clamp(min=1), torch.zeros(()))
-    if global_std:
+    if norm == "none":
+        return centred.reshape(-1)
+    if norm == "global":
         std = rewards[valid].float().std()
     else:
         std = ((centred**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
     return (centred / (std + eps)).reshape(-1)
+
+
+def _norm_name(norm) -> str:
+    """"group", "global" or "none", from the config's enum or a plain string."""
+    norm = getattr(norm, "value", norm)
+    if norm not in ("group", "global", "none"):
+        raise ValueError(f"advantage normalisation {norm!r}: expected group, global or none")
+    return norm
 
 
 def clip_advantages(advantages: torch.Tensor, max_abs: float) -> torch.Tensor:
@@ -202,7 +220,7 @@ class FlowGRPO(Algorithm):
         algo, worker = self.cfg.algorithm, self.ctx.worker
         window = self.ctx.sde_window(step, algo.sde_window_size, algo.sde_window_range)
         rollout = grouped_rollout(self.ctx, step, algo.group_size, window)
-        advantages = masked_group_advantages(rollout.scores["reward"], rollout.valid, algo.group_size, algo.global_std)
+        advantages = masked_group_advantages(rollout.scores["reward"], rollout.valid, algo.group_size, algo.adv_norm)
         advantages = clip_advantages(advantages, algo.adv_clip_max)
         tick = time.perf_counter()
         metrics = worker.train(update, GRPOBatch(rollout.batch, advantages), update_seed(self.cfg.seed, step))

@@ -12,6 +12,12 @@ class SigmaSampling(str, Enum):
     uniform = "uniform"
 
 
+# How advantages are scaled once the group mean is subtracted: "group" divides by the group's
+# std (GRPO), "global" by the whole batch's (Flow-GRPO's setting for real models), "none" not
+# at all (Dr.GRPO, Liu et al. 2025). Built with the functional API: `global` is a keyword.
+AdvantageNorm = Enum("AdvantageNorm", [(n, n) for n in ("group", "global", "none")], type=str)
+
+
 @dataclass
 class AlgorithmConfig:
     # A name registered in omni/algorithms/ (omni.algorithms.ALGORITHMS).
@@ -24,8 +30,8 @@ class FlowGRPOConfig(AlgorithmConfig):
     group_size: int = 8
     clip_range: float = 1e-4
     adv_clip_max: float = 5.0
-    # Normalise by the std of the whole batch instead of each group's.
-    global_std: bool = False
+    # How advantages are scaled after subtracting the group mean (see AdvantageNorm).
+    adv_norm: AdvantageNorm = AdvantageNorm["group"]
     # Weight of the KL to the reference (the same transformer, adapters disabled).
     kl_coef: float = 0.0
     # Flow-GRPO-Fast: SDE only on a window of this many steps (0: every step is SDE).
