@@ -4,10 +4,11 @@ update on a worker, and the training step.
 GRPO needs no value network: each prompt is sampled `group_size` times and an image's
 advantage is its reward minus its group's mean, divided by the group's std, the batch's std,
 or nothing (`algorithm.adv_norm`: group, global, or none as in Dr.GRPO, Liu et al. 2025,
-"Understanding R1-Zero-Like Training"). The policy
-gradient is PPO's clipped importance-ratio loss, applied per denoising step, with an
-optional KL between the policy's and the reference's Gaussian step distributions.
-Flow-GRPO-Fast samples with the SDE (and trains) only on a window of the steps.
+"Understanding R1-Zero-Like Training"). The policy gradient is PPO's clipped importance-ratio
+loss, applied per denoising step, with an optional penalty `kl_coef` x KL to the reference:
+between the policy's and the reference's Gaussian steps (`algorithm.kl_type=latent`, the
+paper's), or the squared distance of their predicted velocities (`kl_type=velocity`:
+independent of the noise level and the step size, and of the sampler). Flow-GRPO-Fast samples with the SDE (and trains) only on a window of the steps.
 
     python recipes/train.py algorithm=flow_grpo            # or algorithm=flow_grpo_fast
 """
@@ -129,25 +130,54 @@ def minibatch_rows(n_samples: int, sde_steps, num_minibatches: int, seed: int, f
     return [(s, j) for s, j in minibatches if len(s)]
 
 
-def score_transitions(worker, rollout: RolloutBatch, samples: torch.Tensor, steps: torch.Tensor, with_reference: bool):
-    """The actor's log-probs of the stored transitions (sample i, step j), and the KL of its
-    step to the reference's (zeros without the reference) -> (log_prob, kl), fp32."""
+@dataclass
+class ScoredSteps:
+    """The actor's (or the reference's) Gaussian steps on stored transitions, fp32."""
+
+    log_prob: torch.Tensor  # (n,) log-density of the stored next latent, averaged over elements
+    mean: torch.Tensor  # (n, *latent) the step's mean
+    scale: torch.Tensor  # the step's standard deviation, broadcastable to `mean`
+    velocity: torch.Tensor  # (n, *latent) the predicted velocity the step came from
+
+
+def score_steps(worker, rollout: RolloutBatch, samples: torch.Tensor, steps: torch.Tensor, reference: bool = False) -> ScoredSteps:
+    """The Gaussian step of each stored transition (sample i, step j) under the policy (with
+    gradients) or the reference (adapters disabled, no gradients)."""
     opts = rollout.options
     latents = worker.to_device(rollout.latents[samples, steps])
     next_latents = worker.to_device(rollout.latents[samples, steps + 1])
     sigma, sigma_next = rollout.sigmas[steps], rollout.sigmas[steps + 1]
     cond = rollout.cond.apply(lambda t: worker.to_device(t[samples]))
-    sigma_max = float(rollout.sigmas[1])
+    velocity = worker.velocity(latents, sigma, cond, opts.guidance_scale, reference=reference)
+    _, log_prob, mean, scale = sde_step(velocity, latents, sigma, sigma_next, float(rollout.sigmas[1]), opts.noise_level, next_sample=next_latents)
+    return ScoredSteps(log_prob, mean, scale, velocity)
 
-    def step_of(reference: bool):
-        velocity = worker.velocity(latents, sigma, cond, opts.guidance_scale, reference=reference)
-        return sde_step(velocity, latents, sigma, sigma_next, sigma_max, opts.noise_level, next_sample=next_latents)
 
-    _, log_prob, mean, scale = step_of(reference=False)
+def reference_kl(policy: ScoredSteps, ref: ScoredSteps, kl_type: str = "latent") -> torch.Tensor:
+    """Per-sample divergence of the policy from the reference: the Gaussian KL of their steps
+    ("latent", Flow-GRPO) or the squared distance of their predicted velocities ("velocity":
+    it does not depend on the SDE's noise scale, nor on the sampler, so the LoRA stays close
+    to the base in the quantity CFG combines at test time)."""
+    kl_type = getattr(kl_type, "value", kl_type)
+    if kl_type == "latent":
+        return gaussian_step_kl(policy.mean, ref.mean, policy.scale)
+    if kl_type == "velocity":
+        return velocity_kl(policy.velocity, ref.velocity)
+    raise ValueError(f"KL type {kl_type!r}: expected latent or velocity")
+
+
+def velocity_kl(velocity: torch.Tensor, ref_velocity: torch.Tensor) -> torch.Tensor:
+    """mean over latent elements of (v - v_ref)^2, per sample."""
+    return ((velocity - ref_velocity) ** 2).mean(dim=tuple(range(1, velocity.ndim)))
+
+
+def score_transitions(worker, rollout: RolloutBatch, samples: torch.Tensor, steps: torch.Tensor, with_reference: bool, kl_type: str = "latent"):
+    """The actor's log-probs of the stored transitions (sample i, step j), and its KL to the
+    reference (zeros without the reference) -> (log_prob, kl), fp32."""
+    policy = score_steps(worker, rollout, samples, steps)
     if not with_reference:
-        return log_prob, torch.zeros_like(log_prob)
-    _, _, ref_mean, _ = step_of(reference=True)
-    return log_prob, gaussian_step_kl(mean, ref_mean, scale)
+        return policy.log_prob, torch.zeros_like(policy.log_prob)
+    return policy.log_prob, reference_kl(policy, score_steps(worker, rollout, samples, steps, reference=True), kl_type)
 
 
 def minibatch_step(worker, batch: GRPOBatch, samples: torch.Tensor, steps: torch.Tensor) -> Dict[str, float]:
@@ -158,7 +188,7 @@ def minibatch_step(worker, batch: GRPOBatch, samples: torch.Tensor, steps: torch
     chunks = torch.arange(len(samples)).split(worker.cfg.trainer.micro_batch_size)
     for i, rows in enumerate(chunks):
         s, j = samples[rows], steps[rows]
-        log_prob, kl = score_transitions(worker, batch.rollout, s, j, with_reference=algo.kl_coef > 0)
+        log_prob, kl = score_transitions(worker, batch.rollout, s, j, algo.kl_coef > 0, algo.kl_type)
         old_log_prob = batch.rollout.log_probs[s, j].to(log_prob.device)
         adv = batch.advantages[s].to(log_prob.device)
         policy_loss, ratio, clip_fraction = clipped_policy_loss(log_prob, old_log_prob, adv, algo.clip_range)

@@ -18,6 +18,11 @@ class SigmaSampling(str, Enum):
 AdvantageNorm = Enum("AdvantageNorm", [(n, n) for n in ("group", "global", "none")], type=str)
 
 
+class KLType(str, Enum):
+    latent = "latent"  # Gaussian KL of the SDE steps (on their means): Flow-GRPO
+    velocity = "velocity"  # mean squared distance of the predicted velocities
+
+
 @dataclass
 class AlgorithmConfig:
     # A name registered in omni/algorithms/ (omni.algorithms.ALGORITHMS).
@@ -34,6 +39,8 @@ class FlowGRPOConfig(AlgorithmConfig):
     adv_norm: AdvantageNorm = AdvantageNorm["group"]
     # Weight of the KL to the reference (the same transformer, adapters disabled).
     kl_coef: float = 0.0
+    # What the KL compares (see KLType).
+    kl_type: KLType = KLType.latent
     # Flow-GRPO-Fast: SDE only on a window of this many steps (0: every step is SDE).
     sde_window_size: int = 0
     # Range [lo, hi] of the steps the window may start at (drawn per rollout batch).
