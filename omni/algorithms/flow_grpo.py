@@ -26,7 +26,7 @@ from omni.algorithms.base import Algorithm, grouped_rollout
 from omni.config.errors import require
 from omni.context import update_seed
 from omni.rollout.base import RolloutBatch
-from omni.rollout.sde import sde_step
+from omni.rollout.sde import noisy_steps, sde_step
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, norm: str = "group", eps: float = 1e-4):
@@ -149,7 +149,9 @@ def score_steps(worker, rollout: RolloutBatch, samples: torch.Tensor, steps: tor
     sigma, sigma_next = rollout.sigmas[steps], rollout.sigmas[steps + 1]
     cond = rollout.cond.apply(lambda t: worker.to_device(t[samples]))
     velocity = worker.velocity(latents, sigma, cond, opts.guidance_scale, reference=reference)
-    _, log_prob, mean, scale = sde_step(velocity, latents, sigma, sigma_next, float(rollout.sigmas[1]), opts.noise_level, next_sample=next_latents)
+    _, log_prob, mean, scale = sde_step(
+        velocity, latents, sigma, sigma_next, float(rollout.sigmas[1]), opts.noise_level, next_sample=next_latents, sde_type=opts.sde_type
+    )
     return ScoredSteps(log_prob, mean, scale, velocity)
 
 
@@ -227,7 +229,12 @@ class FlowGRPO(Algorithm):
         check_groups(algo.group_size, trainer.batch_size)
         require(algo.clip_range > 0, f"algorithm.clip_range={algo.clip_range} must be positive")
         require(algo.num_inner_epochs >= 1, f"algorithm.num_inner_epochs={algo.num_inner_epochs} must be >= 1")
-        sde_steps = algo.sde_window_size or rollout.num_steps
+        available = noisy_steps(rollout)
+        steps_of = f"rollout.num_steps={rollout.num_steps}" + (
+            f" (with rollout.sde_type=cps the last step, to sigma 0, has no noise: {available} stochastic steps)"
+            if available < rollout.num_steps else ""
+        )
+        sde_steps = algo.sde_window_size or available
         require(
             1 <= algo.num_minibatches <= sde_steps,
             f"algorithm.num_minibatches={algo.num_minibatches}: each sample's {sde_steps} SDE steps are shared out "
@@ -235,15 +242,15 @@ class FlowGRPO(Algorithm):
         )
         if algo.sde_window_size > 0:
             require(
-                algo.sde_window_size <= rollout.num_steps,
-                f"algorithm.sde_window_size={algo.sde_window_size} exceeds rollout.num_steps={rollout.num_steps}",
+                algo.sde_window_size <= available,
+                f"algorithm.sde_window_size={algo.sde_window_size} exceeds {steps_of}",
             )
             if algo.sde_window_range is not None:
                 lo, hi = algo.sde_window_range
                 require(
-                    0 <= lo <= hi and hi + algo.sde_window_size <= rollout.num_steps,
+                    0 <= lo <= hi and hi + algo.sde_window_size <= available,
                     f"algorithm.sde_window_range={list(algo.sde_window_range)} does not fit a window of "
-                    f"{algo.sde_window_size} in rollout.num_steps={rollout.num_steps}",
+                    f"{algo.sde_window_size} in {steps_of}",
                 )
 
     def step(self, step: int) -> Dict[str, float]:

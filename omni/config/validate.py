@@ -17,7 +17,7 @@ from omni.algorithms import get_algorithm
 from omni.checkpoint import DamagedCheckpoint, check_checkpoint
 from omni.config import TrainConfig
 from omni.config.errors import ConfigError, require
-from omni.config.rollout import Engine
+from omni.config.rollout import Engine, SDEType
 from omni.data.prompts import load_prompts
 from omni.models import get_family
 from omni.models.base import ModelFamily
@@ -88,6 +88,11 @@ def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
     )
     require(rollout.num_steps >= 2, f"rollout.num_steps={rollout.num_steps}: need at least 2")
     require(rollout.noise_level > 0, f"rollout.noise_level={rollout.noise_level} must be positive")
+    require(
+        rollout.sde_type != SDEType.cps or rollout.noise_level <= 1,
+        f"rollout.noise_level={rollout.noise_level} with rollout.sde_type=cps: CPS's eta must be in (0, 1] "
+        f"(its step to sigma' has std sigma' sin(eta pi / 2))",
+    )
     require(rollout.guidance_scale >= 0, f"rollout.guidance_scale={rollout.guidance_scale} must be >= 0 (1 or less: no CFG)")
     require(rollout.micro_batch_size > 0, "rollout.micro_batch_size must be positive")
     require(

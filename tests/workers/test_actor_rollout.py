@@ -47,6 +47,7 @@ CASES = {
     "cfg": ["model.guidance_scale=3.0"],
     "fast_window": ["algorithm=flow_grpo_fast"],
     "base_from_sync": ["rollout.load_base=false"],
+    "cps": ["rollout.sde_type=cps"],
 }
 
 
@@ -64,6 +65,9 @@ def test_actor_log_probs_match_engine_after_sync(case, tiny_cache, tmp_path):
         assert stop - start == 2
         ode = [j for j in range(cfg.rollout.num_steps) if not start <= j < stop]
         assert torch.all(batch.log_probs[:, ode] == 0)
+    if case == "cps":  # every step stochastic but the last, which lands on sigma 0
+        assert batch.options.sde_steps == (0, cfg.rollout.num_steps - 1)
+        assert torch.all(batch.log_probs[:, -1] == 0) and torch.all(batch.log_probs[:, :-1] != 0)
 
 
 def test_stale_engine_is_detected(tiny_cache, tmp_path):

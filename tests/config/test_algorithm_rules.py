@@ -1,0 +1,48 @@
+"""Options of the algorithms and samplers that do not go together fail at validation, before
+any model loads, naming both keys."""
+
+import pytest
+
+from omni.config.validate import ConfigError, validate
+from tests.conftest import compose_config
+
+BAD = {
+    "cps eta above 1": (["rollout.sde_type=cps", "rollout.noise_level=1.5"], ["rollout.noise_level", "rollout.sde_type=cps"]),
+    "cps window on the last step": (
+        ["rollout.sde_type=cps", "algorithm=flow_grpo_fast", "algorithm.sde_window_range=[0,8]"],
+        ["algorithm.sde_window_range", "rollout.sde_type=cps"],
+    ),
+    "cps window too wide": (
+        ["rollout.sde_type=cps", "algorithm=flow_grpo_fast", "algorithm.sde_window_size=10", "algorithm.sde_window_range=null"],
+        ["algorithm.sde_window_size", "rollout.sde_type=cps"],
+    ),
+    "unknown sde type": (["rollout.sde_type=ddim"], ["rollout.sde_type"]),
+    "unknown advantage normalisation": (["algorithm.adv_norm=batch"], ["algorithm.adv_norm"]),
+    "unknown kl type": (["algorithm.kl_type=score"], ["algorithm.kl_type"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_combination_names_its_keys(case, tmp_path):
+    overrides, keys = BAD[case]
+    with pytest.raises(Exception) as error:
+        validate(compose_config(overrides, tmp_path))
+    text = str(error.value) + str(error.value.__cause__ or "")
+    assert all(key in text for key in keys), text
+
+
+GOOD = [
+    ["rollout.sde_type=cps", "rollout.noise_level=1.0"],
+    ["rollout.sde_type=cps", "algorithm=flow_grpo_fast"],  # the preset's window [0, 5] + 2 fits 9 stochastic steps
+    ["algorithm.adv_norm=none", "algorithm.kl_type=velocity", "algorithm.kl_coef=0.1"],
+]
+
+
+@pytest.mark.parametrize("overrides", GOOD, ids=lambda o: " ".join(o))
+def test_compatible_options_validate(overrides, tmp_path):
+    validate(compose_config(overrides, tmp_path))
+
+
+def test_config_error_is_the_type_raised(tmp_path):
+    with pytest.raises(ConfigError):
+        validate(compose_config(BAD["cps eta above 1"][0], tmp_path))
