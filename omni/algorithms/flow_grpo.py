@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -182,76 +182,98 @@ def score_transitions(worker, rollout: RolloutBatch, samples: torch.Tensor, step
     return policy.log_prob, reference_kl(policy, score_steps(worker, rollout, samples, steps, reference=True), kl_type)
 
 
-def minibatch_step(worker, batch: GRPOBatch, samples: torch.Tensor, steps: torch.Tensor) -> Dict[str, float]:
-    """One optimizer step on the transitions (samples, steps), in micro-batches."""
+@dataclass
+class OldSteps:
+    """What the rollout policy did on one micro-batch's transitions (on the actor's device)."""
+
+    log_prob: torch.Tensor  # (n,) the engine's log-probs
+    advantages: torch.Tensor  # (n,) each transition's sample's advantage
+    mean: Optional[torch.Tensor] = None  # (n, *latent) its step means, for losses that compare them
+
+
+def clipped_loss(policy: ScoredSteps, old: OldSteps, algo) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Flow-GRPO's policy loss: PPO's clipped ratio -> (loss, metrics)."""
+    loss, ratio, clip_fraction = clipped_policy_loss(policy.log_prob, old.log_prob, old.advantages, algo.clip_range)
+    return loss, {"clip_fraction": clip_fraction, "ratio": ratio.mean()}
+
+
+def minibatch_step(worker, batch: GRPOBatch, samples, steps, policy_loss=clipped_loss, old_means=None) -> Dict[str, float]:
+    """One optimizer step on the transitions (samples, steps), in micro-batches; the loss is
+    `policy_loss(policy steps, old steps, algorithm config)` plus the KL penalty."""
     algo = worker.cfg.algorithm
-    sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio": 0.0}  # tensors once added to: no sync per micro-batch
+    sums: Dict[str, torch.Tensor] = {}  # tensors: no device sync per micro-batch
     worker.zero_grad()
     chunks = torch.arange(len(samples)).split(worker.cfg.trainer.micro_batch_size)
+    start = batch.rollout.options.sde_steps[0]
     for i, rows in enumerate(chunks):
         s, j = samples[rows], steps[rows]
-        log_prob, kl = score_transitions(worker, batch.rollout, s, j, algo.kl_coef > 0, algo.kl_type)
-        old_log_prob = batch.rollout.log_probs[s, j].to(log_prob.device)
-        adv = batch.advantages[s].to(log_prob.device)
-        policy_loss, ratio, clip_fraction = clipped_policy_loss(log_prob, old_log_prob, adv, algo.clip_range)
-        loss = policy_loss + algo.kl_coef * kl.mean()
+        policy = score_steps(worker, batch.rollout, s, j)
+        kl = torch.zeros_like(policy.log_prob)
+        if algo.kl_coef > 0:
+            kl = reference_kl(policy, score_steps(worker, batch.rollout, s, j, reference=True), algo.kl_type)
+        device = policy.log_prob.device
+        old = OldSteps(
+            batch.rollout.log_probs[s, j].to(device),
+            batch.advantages[s].to(device),
+            None if old_means is None else old_means[s, j - start],
+        )
+        main, extras = policy_loss(policy, old, algo)
+        loss = main + algo.kl_coef * kl.mean()
         weight = len(rows) / len(samples)  # the mean over this worker's rows; FSDP averages the workers
         worker.backward(loss * weight, sync=i == len(chunks) - 1)
-        for key, value in (("loss", loss), ("kl", kl.mean()), ("clip_fraction", clip_fraction), ("ratio", ratio.mean())):
-            sums[key] += value.detach().double() * weight
+        for key, value in {"loss": loss, "kl": kl.mean(), **extras}.items():
+            sums[key] = sums.get(key, 0.0) + value.detach().double() * weight
     grad_norm = worker.optimizer_step()
     metrics = {key: float(value) for key, value in sums.items()}
     return {**metrics, "grad_norm": grad_norm, "skipped_nonfinite": float(not math.isfinite(grad_norm))}
 
 
-def update(worker, batch: GRPOBatch, seed: int, first: int = 0, total: int = 0) -> Dict[str, float]:
-    """Flow-GRPO update on every (sample, SDE step) transition of the batch: each inner epoch
-    is `num_minibatches` optimizer steps (see `minibatch_rows`). A worker of a group holds
-    rows [first, first + len(batch)) of the whole batch."""
+@torch.no_grad()
+def rollout_step_means(worker, rollout: RolloutBatch) -> torch.Tensor:
+    """The step means of every (sample, SDE step) of the batch under the current weights, which
+    are the rollout's (the engine is synced after each update): (B, window, *latent). Losses that
+    compare the policy's step with the rollout's (GRPO-Guard, Flow-DPPO) read them, as they
+    change once the first minibatch has stepped the optimizer."""
+    start, stop = rollout.options.sde_steps
+    samples = torch.arange(len(rollout)).repeat_interleave(stop - start)
+    steps = torch.arange(start, stop).repeat(len(rollout))
+    chunks = torch.arange(len(samples)).split(worker.cfg.trainer.micro_batch_size)
+    means = [score_steps(worker, rollout, samples[rows], steps[rows]).mean for rows in chunks]
+    return torch.cat(means).reshape(len(rollout), stop - start, *means[0].shape[1:])
+
+
+def run_update(worker, batch: GRPOBatch, seed: int, first: int, policy_loss=clipped_loss, needs_old_means: bool = False):
+    """Every (sample, SDE step) transition of the batch, `num_inner_epochs` times, each pass
+    `num_minibatches` optimizer steps (see `minibatch_rows`) of `policy_loss`. A worker of a
+    group holds rows [first, first + len(batch)) of the whole batch."""
     algo = worker.cfg.algorithm
+    old_means = rollout_step_means(worker, batch.rollout) if needs_old_means else None
     totals: Dict[str, List[float]] = {}
     for epoch in range(algo.num_inner_epochs):
         plan = minibatch_rows(len(batch), batch.rollout.options.sde_steps, algo.num_minibatches, seed * 1_009 + epoch, first)
         for samples, steps in plan:
-            for key, value in minibatch_step(worker, batch, samples, steps).items():
+            for key, value in minibatch_step(worker, batch, samples, steps, policy_loss, old_means).items():
                 totals.setdefault(key, []).append(value)
     return {key: sum(values) / len(values) for key, values in totals.items()}
+
+
+def update(worker, batch: GRPOBatch, seed: int, first: int = 0, total: int = 0) -> Dict[str, float]:
+    """Flow-GRPO's update (the clipped ratio loss) on a worker."""
+    return run_update(worker, batch, seed, first)
 
 
 # ----------------------------------------------------------------- the step, on the driver
 class FlowGRPO(Algorithm):
     """prompts -> SDE rollout -> reward -> group advantages -> clipped-ratio update of the
-    LoRA -> weight sync into the rollout engine."""
+    LoRA -> weight sync into the rollout engine. Variants change only the worker-side
+    `update` (a module-level function, so a Ray group can ship it)."""
+
+    update = staticmethod(update)
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        algo, rollout, trainer = cfg.algorithm, cfg.rollout, cfg.trainer
-        check_groups(algo.group_size, trainer.batch_size)
-        require(algo.clip_range > 0, f"algorithm.clip_range={algo.clip_range} must be positive")
-        require(algo.num_inner_epochs >= 1, f"algorithm.num_inner_epochs={algo.num_inner_epochs} must be >= 1")
-        available = noisy_steps(rollout)
-        steps_of = f"rollout.num_steps={rollout.num_steps}" + (
-            f" (with rollout.sde_type=cps the last step, to sigma 0, has no noise: {available} stochastic steps)"
-            if available < rollout.num_steps else ""
-        )
-        sde_steps = algo.sde_window_size or available
-        require(
-            1 <= algo.num_minibatches <= sde_steps,
-            f"algorithm.num_minibatches={algo.num_minibatches}: each sample's {sde_steps} SDE steps are shared out "
-            f"over the minibatches, so expected 1 to {sde_steps}",
-        )
-        if algo.sde_window_size > 0:
-            require(
-                algo.sde_window_size <= available,
-                f"algorithm.sde_window_size={algo.sde_window_size} exceeds {steps_of}",
-            )
-            if algo.sde_window_range is not None:
-                lo, hi = algo.sde_window_range
-                require(
-                    0 <= lo <= hi and hi + algo.sde_window_size <= available,
-                    f"algorithm.sde_window_range={list(algo.sde_window_range)} does not fit a window of "
-                    f"{algo.sde_window_size} in {steps_of}",
-                )
+        require(cfg.algorithm.clip_range > 0, f"algorithm.clip_range={cfg.algorithm.clip_range} must be positive")
+        check_policy_config(cfg)
 
     def step(self, step: int) -> Dict[str, float]:
         algo, worker = self.cfg.algorithm, self.ctx.worker
@@ -260,10 +282,41 @@ class FlowGRPO(Algorithm):
         advantages = masked_group_advantages(rollout.scores["reward"], rollout.valid, algo.group_size, algo.adv_norm)
         advantages = clip_advantages(advantages, algo.adv_clip_max)
         tick = time.perf_counter()
-        metrics = worker.train(update, GRPOBatch(rollout.batch, advantages), update_seed(self.cfg.seed, step))
+        metrics = worker.train(self.update, GRPOBatch(rollout.batch, advantages), update_seed(self.cfg.seed, step))
         timings = {**rollout.timings, "time/update": time.perf_counter() - tick}
         timings["time/sync"] = worker.sync_weights()["sync/seconds"]
         return {**rollout.reward_metrics(), **{f"train/{k}": v for k, v in metrics.items()}, **timings}
+
+
+def check_policy_config(cfg) -> None:
+    """The rules every group-advantage, per-step policy algorithm shares: groups, epochs, the
+    SDE window and its minibatches."""
+    algo, rollout, trainer = cfg.algorithm, cfg.rollout, cfg.trainer
+    check_groups(algo.group_size, trainer.batch_size)
+    require(algo.num_inner_epochs >= 1, f"algorithm.num_inner_epochs={algo.num_inner_epochs} must be >= 1")
+    available = noisy_steps(rollout)
+    steps_of = f"rollout.num_steps={rollout.num_steps}" + (
+        f" (with rollout.sde_type=cps the last step, to sigma 0, has no noise: {available} stochastic steps)"
+        if available < rollout.num_steps else ""
+    )
+    sde_steps = algo.sde_window_size or available
+    require(
+        1 <= algo.num_minibatches <= sde_steps,
+        f"algorithm.num_minibatches={algo.num_minibatches}: each sample's {sde_steps} SDE steps are shared out "
+        f"over the minibatches, so expected 1 to {sde_steps}",
+    )
+    if algo.sde_window_size > 0:
+        require(
+            algo.sde_window_size <= available,
+            f"algorithm.sde_window_size={algo.sde_window_size} exceeds {steps_of}",
+        )
+        if algo.sde_window_range is not None:
+            lo, hi = algo.sde_window_range
+            require(
+                0 <= lo <= hi and hi + algo.sde_window_size <= available,
+                f"algorithm.sde_window_range={list(algo.sde_window_range)} does not fit a window of "
+                f"{algo.sde_window_size} in {steps_of}",
+            )
 
 
 def check_groups(group_size: int, batch_size: int) -> None:

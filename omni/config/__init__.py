@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from omni.config.algorithm import AlgorithmConfig, DPOConfig, FlowGRPOConfig, OnlineDPOConfig
+from omni.config.algorithm import AlgorithmConfig, DPOConfig, FlowDPPOConfig, FlowGRPOConfig, OnlineDPOConfig
 from omni.config.data import DataConfig
 from omni.config.logger import LoggerConfig
 from omni.config.model import FSDPConfig, LoraConfig, ModelConfig
@@ -19,7 +19,7 @@ from omni.config.rollout import RolloutConfig, VllmRolloutConfig
 from omni.config.trainer import TrainerConfig
 from omni.rewards import REWARDS
 
-ALGORITHM_SCHEMAS = {"flow_grpo": FlowGRPOConfig, "dpo": DPOConfig, "online_dpo": OnlineDPOConfig}
+ALGORITHM_SCHEMAS = {"flow_grpo": FlowGRPOConfig, "flow_dppo": FlowDPPOConfig, "dpo": DPOConfig, "online_dpo": OnlineDPOConfig}
 
 
 @dataclass
@@ -51,6 +51,7 @@ __all__ = [
     "DPOConfig",
     "DataConfig",
     "FSDPConfig",
+    "FlowDPPOConfig",
     "FlowGRPOConfig",
     "LoggerConfig",
     "LoraConfig",

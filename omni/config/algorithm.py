@@ -30,10 +30,11 @@ class AlgorithmConfig:
 
 
 @dataclass
-class FlowGRPOConfig(AlgorithmConfig):
+class GroupPolicyConfig(AlgorithmConfig):
+    """What every group-advantage, per-denoising-step policy algorithm shares."""
+
     # Images sampled per prompt; advantages are normalised within each group.
     group_size: int = 8
-    clip_range: float = 1e-4
     adv_clip_max: float = 5.0
     # How advantages are scaled after subtracting the group mean (see AdvantageNorm).
     adv_norm: AdvantageNorm = AdvantageNorm["group"]
@@ -48,6 +49,22 @@ class FlowGRPOConfig(AlgorithmConfig):
     # Passes over each rollout batch, each split into this many optimizer steps.
     num_inner_epochs: int = 1
     num_minibatches: int = 2
+
+
+@dataclass
+class FlowGRPOConfig(GroupPolicyConfig):
+    """Flow-GRPO and GRPO-Guard: PPO's ratio clipping."""
+
+    clip_range: float = 1e-4
+
+
+@dataclass
+class FlowDPPOConfig(GroupPolicyConfig):
+    """Flow-DPPO: a trust region on the Gaussian KL of each step instead of ratio clipping."""
+
+    # A transition whose KL(current step || rollout step), averaged over the latent, exceeds
+    # this stops contributing once its ratio moves further in its advantage's direction.
+    kl_mask_threshold: float = 1e-6
 
 
 @dataclass
