@@ -119,6 +119,10 @@ def check_trainer(cfg: TrainConfig) -> None:
             trainer.steps >= 1,
             f"trainer.steps={trainer.steps}: a run trains at least 1 step; to only evaluate, set trainer.eval_only=true trainer.steps=0",
         )
+    require(
+        trainer.ema_decay is None or 0 < trainer.ema_decay < 1,
+        f"trainer.ema_decay={trainer.ema_decay} must be in (0, 1) (the weight of the previous average), or null for no EMA",
+    )
     require(trainer.max_bad_steps >= 1, f"trainer.max_bad_steps={trainer.max_bad_steps} must be >= 1")
     require(trainer.lr > 0, f"trainer.lr={trainer.lr} must be positive")
     require(trainer.batch_size > 0, f"trainer.batch_size={trainer.batch_size} must be positive")

@@ -19,6 +19,8 @@ BAD = {
     "unknown sde type": (["rollout.sde_type=ddim"], ["rollout.sde_type"]),
     "unknown advantage normalisation": (["algorithm.adv_norm=batch"], ["algorithm.adv_norm"]),
     "unknown kl type": (["algorithm.kl_type=score"], ["algorithm.kl_type"]),
+    "ema decay of 1": (["trainer.ema_decay=1.0"], ["trainer.ema_decay=1.0", "(0, 1)"]),
+    "ema decay of 0": (["trainer.ema_decay=0"], ["trainer.ema_decay=0", "(0, 1)"]),
     "dppo threshold": (["algorithm=flow_dppo", "algorithm.kl_mask_threshold=0"], ["algorithm.kl_mask_threshold"]),
     "dppo has no clip range": (["algorithm=flow_dppo", "algorithm.clip_range=0.1"], ["algorithm.clip_range"]),
 }
@@ -37,7 +39,7 @@ GOOD = [
     ["rollout.sde_type=cps", "rollout.noise_level=1.0"],
     ["rollout.sde_type=cps", "algorithm=flow_grpo_fast"],  # the preset's window [0, 5] + 2 fits 9 stochastic steps
     ["algorithm.adv_norm=none", "algorithm.kl_type=velocity", "algorithm.kl_coef=0.1"],
-    ["algorithm=grpo_guard", "rollout.sde_type=cps"],
+    ["algorithm=grpo_guard", "rollout.sde_type=cps", "trainer.ema_decay=0.95"],
     ["algorithm=flow_dppo", "rollout.sde_type=cps", "algorithm.kl_coef=0.01"],
 ]
 
