@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List
 
@@ -59,7 +60,7 @@ def start_run(variant: str, seed: int, args) -> dict:
         f"trainer.eval_every={args.eval_every}", f"logger.console_every={args.eval_every}", "trainer.progress_bar=false",
         *VARIANTS[variant], *args.overrides,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     log = open(run_dir.parent / f"{run_dir.name}.log", "w")
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return {"variant": variant, "seed": seed, "dir": run_dir, "process": process, "log": log, "start": time.time(), "curve": []}
@@ -89,24 +90,22 @@ def result_of(run: dict, batch_size: int) -> dict:
     return result
 
 
+def run_one(variant: str, seed: int, args) -> dict:
+    done = args.out / "runs" / f"{slug(variant)}_seed{seed}" / "comparison.json"
+    if done.exists():  # finished before: read, not repeated
+        return json.loads(done.read_text())
+    done.parent.parent.mkdir(parents=True, exist_ok=True)
+    run = start_run(variant, seed, args)
+    follow(run)
+    result = result_of(run, args.batch_size)
+    print(f"{variant:<30} seed {seed}: gain {result['gain']:+.5f}  t {result['t']:6.2f}", flush=True)
+    return result
+
+
 def run_all(args) -> List[dict]:
-    pending = [(v, s) for v in args.variants for s in args.seeds]
-    results, running = [], []
-    while pending or running:
-        while pending and len(running) < args.jobs:
-            variant, seed = pending.pop(0)
-            done = args.out / "runs" / f"{slug(variant)}_seed{seed}" / "comparison.json"
-            if done.exists():
-                results.append(json.loads(done.read_text()))
-                continue
-            done.parent.parent.mkdir(parents=True, exist_ok=True)
-            running.append(start_run(variant, seed, args))
-        if running:  # follow the oldest; the others keep running meanwhile (their pipes buffer)
-            run = running.pop(0)
-            follow(run)
-            results.append(result_of(run, args.batch_size))
-            print(f"{run['variant']:<30} seed {run['seed']}: gain {results[-1]['gain']:+.5f}  t {results[-1]['t']:6.2f}", flush=True)
-    return results
+    """Every (variant, seed), `--jobs` at a time (a thread follows each run's output)."""
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        return list(pool.map(lambda job: run_one(*job, args), [(v, s) for v in args.variants for s in args.seeds]))
 
 
 def table(results: List[dict], variants: List[str]) -> str:
