@@ -40,6 +40,7 @@ VARIANTS: Dict[str, List[str]] = {
     "grpo_guard": ["algorithm=grpo_guard"],
     "flow_dppo": ["algorithm=flow_dppo"],
     "flow_grpo ema_decay=0.9": ["trainer.ema_decay=0.9"],
+    "diffusion_nft": ["algorithm=diffusion_nft"],
 }
 STEP_LINE = re.compile(r"^step (\d+): (.*)$")
 

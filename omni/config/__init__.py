@@ -10,7 +10,14 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from omni.config.algorithm import AlgorithmConfig, DPOConfig, FlowDPPOConfig, FlowGRPOConfig, OnlineDPOConfig
+from omni.config.algorithm import (
+    AlgorithmConfig,
+    DiffusionNFTConfig,
+    DPOConfig,
+    FlowDPPOConfig,
+    FlowGRPOConfig,
+    OnlineDPOConfig,
+)
 from omni.config.data import DataConfig
 from omni.config.logger import LoggerConfig
 from omni.config.model import FSDPConfig, LoraConfig, ModelConfig
@@ -19,7 +26,8 @@ from omni.config.rollout import RolloutConfig, VllmRolloutConfig
 from omni.config.trainer import TrainerConfig
 from omni.rewards import REWARDS
 
-ALGORITHM_SCHEMAS = {"flow_grpo": FlowGRPOConfig, "flow_dppo": FlowDPPOConfig, "dpo": DPOConfig, "online_dpo": OnlineDPOConfig}
+ALGORITHM_SCHEMAS = {"flow_grpo": FlowGRPOConfig, "flow_dppo": FlowDPPOConfig, "dpo": DPOConfig, "online_dpo": OnlineDPOConfig,
+                     "diffusion_nft": DiffusionNFTConfig}
 
 
 @dataclass
@@ -49,6 +57,7 @@ def register_configs() -> None:
 __all__ = [
     "AlgorithmConfig",
     "DPOConfig",
+    "DiffusionNFTConfig",
     "DataConfig",
     "FSDPConfig",
     "FlowDPPOConfig",

@@ -68,6 +68,23 @@ class FlowDPPOConfig(GroupPolicyConfig):
 
 
 @dataclass
+class DiffusionNFTConfig(AlgorithmConfig):
+    """DiffusionNFT: forward-process training on ODE rollouts (omni/algorithms/diffusion_nft.py)."""
+
+    group_size: int = 8
+    adv_norm: AdvantageNorm = AdvantageNorm["group"]
+    # Advantages are clipped to +-adv_clip_max, then mapped to optimality in [0, 1].
+    adv_clip_max: float = 5.0
+    # How far the implicit policies reach from the rollout policy.
+    beta: float = 1.0
+    # Noise levels drawn per clean latent, and how.
+    timesteps_per_sample: int = 2
+    sigma_sampling: SigmaSampling = SigmaSampling.uniform
+    num_inner_epochs: int = 1
+    num_minibatches: int = 2
+
+
+@dataclass
 class DPOConfig(AlgorithmConfig):
     # Strength of the pull towards the reference (Diffusion-DPO's beta).
     beta: float = 2500.0

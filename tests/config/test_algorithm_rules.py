@@ -21,6 +21,8 @@ BAD = {
     "unknown kl type": (["algorithm.kl_type=score"], ["algorithm.kl_type"]),
     "ema decay of 1": (["trainer.ema_decay=1.0"], ["trainer.ema_decay=1.0", "(0, 1)"]),
     "ema decay of 0": (["trainer.ema_decay=0"], ["trainer.ema_decay=0", "(0, 1)"]),
+    "cps with diffusion_nft": (["algorithm=diffusion_nft", "rollout.sde_type=cps"], ["rollout.sde_type=cps", "algorithm=diffusion_nft"]),
+    "cfg with diffusion_nft": (["algorithm=diffusion_nft", "rollout.guidance_scale=4.5"], ["rollout.guidance_scale", "algorithm=diffusion_nft"]),
     "dppo threshold": (["algorithm=flow_dppo", "algorithm.kl_mask_threshold=0"], ["algorithm.kl_mask_threshold"]),
     "dppo has no clip range": (["algorithm=flow_dppo", "algorithm.clip_range=0.1"], ["algorithm.clip_range"]),
 }
@@ -41,6 +43,7 @@ GOOD = [
     ["algorithm.adv_norm=none", "algorithm.kl_type=velocity", "algorithm.kl_coef=0.1"],
     ["algorithm=grpo_guard", "rollout.sde_type=cps", "trainer.ema_decay=0.95"],
     ["algorithm=flow_dppo", "rollout.sde_type=cps", "algorithm.kl_coef=0.01"],
+    ["algorithm=diffusion_nft", "algorithm.adv_norm=none"],
 ]
 
 
