@@ -41,6 +41,7 @@ VARIANTS: Dict[str, List[str]] = {
     "flow_dppo": ["algorithm=flow_dppo"],
     "flow_grpo ema_decay=0.9": ["trainer.ema_decay=0.9"],
     "diffusion_nft": ["algorithm=diffusion_nft"],
+    "mix_grpo": ["algorithm=mix_grpo"],
 }
 STEP_LINE = re.compile(r"^step (\d+): (.*)$")
 

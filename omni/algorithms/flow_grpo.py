@@ -275,10 +275,13 @@ class FlowGRPO(Algorithm):
         require(cfg.algorithm.clip_range > 0, f"algorithm.clip_range={cfg.algorithm.clip_range} must be positive")
         check_policy_config(cfg)
 
+    def window(self, step: int) -> Tuple[int, int]:
+        """Step `step`'s SDE steps [start, stop): all, or Flow-GRPO-Fast's random window."""
+        return self.ctx.sde_window(step, self.cfg.algorithm.sde_window_size, self.cfg.algorithm.sde_window_range)
+
     def step(self, step: int) -> Dict[str, float]:
         algo, worker = self.cfg.algorithm, self.ctx.worker
-        window = self.ctx.sde_window(step, algo.sde_window_size, algo.sde_window_range)
-        rollout = grouped_rollout(self.ctx, step, algo.group_size, window)
+        rollout = grouped_rollout(self.ctx, step, algo.group_size, self.window(step))
         advantages = masked_group_advantages(rollout.scores["reward"], rollout.valid, algo.group_size, algo.adv_norm)
         advantages = clip_advantages(advantages, algo.adv_clip_max)
         tick = time.perf_counter()

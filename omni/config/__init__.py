@@ -16,6 +16,7 @@ from omni.config.algorithm import (
     DPOConfig,
     FlowDPPOConfig,
     FlowGRPOConfig,
+    MixGRPOConfig,
     OnlineDPOConfig,
 )
 from omni.config.data import DataConfig
@@ -27,7 +28,7 @@ from omni.config.trainer import TrainerConfig
 from omni.rewards import REWARDS
 
 ALGORITHM_SCHEMAS = {"flow_grpo": FlowGRPOConfig, "flow_dppo": FlowDPPOConfig, "dpo": DPOConfig, "online_dpo": OnlineDPOConfig,
-                     "diffusion_nft": DiffusionNFTConfig}
+                     "diffusion_nft": DiffusionNFTConfig, "mix_grpo": MixGRPOConfig}
 
 
 @dataclass
@@ -63,6 +64,7 @@ __all__ = [
     "FlowDPPOConfig",
     "FlowGRPOConfig",
     "LoggerConfig",
+    "MixGRPOConfig",
     "LoraConfig",
     "ModelConfig",
     "OnlineDPOConfig",

@@ -59,6 +59,16 @@ class FlowGRPOConfig(GroupPolicyConfig):
 
 
 @dataclass
+class MixGRPOConfig(FlowGRPOConfig):
+    """MixGRPO: Flow-GRPO on a sliding SDE window (omni/algorithms/mix_grpo.py)."""
+
+    sde_window_size: int = 4
+    # The window moves this many denoising steps later every `shift_interval` training steps.
+    window_stride: int = 1
+    shift_interval: int = 10
+
+
+@dataclass
 class FlowDPPOConfig(GroupPolicyConfig):
     """Flow-DPPO: a trust region on the Gaussian KL of each step instead of ratio clipping."""
 

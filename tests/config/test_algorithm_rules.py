@@ -23,6 +23,10 @@ BAD = {
     "ema decay of 0": (["trainer.ema_decay=0"], ["trainer.ema_decay=0", "(0, 1)"]),
     "cps with diffusion_nft": (["algorithm=diffusion_nft", "rollout.sde_type=cps"], ["rollout.sde_type=cps", "algorithm=diffusion_nft"]),
     "cfg with diffusion_nft": (["algorithm=diffusion_nft", "rollout.guidance_scale=4.5"], ["rollout.guidance_scale", "algorithm=diffusion_nft"]),
+    "mix_grpo window larger than the steps": (
+        ["algorithm=mix_grpo", "algorithm.sde_window_size=11"], ["algorithm.sde_window_size=11", "rollout.num_steps=10"]
+    ),
+    "mix_grpo window with a range": (["algorithm=mix_grpo", "algorithm.sde_window_range=[0,2]"], ["algorithm.sde_window_range"]),
     "dppo threshold": (["algorithm=flow_dppo", "algorithm.kl_mask_threshold=0"], ["algorithm.kl_mask_threshold"]),
     "dppo has no clip range": (["algorithm=flow_dppo", "algorithm.clip_range=0.1"], ["algorithm.clip_range"]),
 }
