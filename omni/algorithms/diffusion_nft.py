@@ -83,12 +83,14 @@ class NFTBatch:
         return len(self.clean)
 
     def select(self, rows) -> "NFTBatch":
-        return NFTBatch(self.clean[rows].clone(), self.cond.apply(lambda t: t[rows].clone()), self.optimality[rows].clone(), self.guidance_scale)
+        cond = self.cond.apply(lambda t: t[rows].clone())
+        return NFTBatch(self.clean[rows].clone(), cond, self.optimality[rows].clone(), self.guidance_scale)
 
 
 def forward_noise(algo, n_total: int, shape, seed: int, first: int, n: int):
     """Each sample's `timesteps_per_sample` noise levels and noises, drawn for the whole batch
-    and cut to rows [first, first + n), so sharding does not change them: (sigmas (n, K), noise (n, K, *latent))."""
+    and cut to rows [first, first + n), so sharding does not change them:
+    (sigmas (n, K), noise (n, K, *latent))."""
     generator = torch.Generator().manual_seed(seed)
     k = algo.timesteps_per_sample
     sigmas = sample_sigmas(n_total * k, algo.sigma_sampling, generator).reshape(n_total, k)
@@ -96,37 +98,66 @@ def forward_noise(algo, n_total: int, shape, seed: int, first: int, n: int):
     return sigmas[first : first + n], noise[first : first + n]
 
 
-def update(worker, batch: NFTBatch, seed: int, first: int = 0, total: int = 0) -> Dict[str, float]:
-    """DiffusionNFT's update: the rollout policy's velocities first (no gradient), then
-    `num_inner_epochs` passes of `num_minibatches` optimizer steps over the samples."""
-    algo = worker.cfg.algorithm
-    n, k = len(batch), algo.timesteps_per_sample
-    sigmas, noise = forward_noise(algo, total or n, batch.clean.shape[1:], seed, first, n)
+@dataclass
+class NoisedBatch:
+    """Each clean latent noised at its `timesteps_per_sample` levels (rows sample-major), on the
+    actor's device, with the rollout policy's velocities there."""
+
+    clean: torch.Tensor
+    noisy: torch.Tensor
+    sigmas: torch.Tensor
+    cond: Conditioning
+    optimality: torch.Tensor
+    old_velocity: torch.Tensor
+
+
+def noised(worker, batch: NFTBatch, seed: int, first: int, total: int) -> NoisedBatch:
+    algo, n = worker.cfg.algorithm, len(batch)
+    k, shape = algo.timesteps_per_sample, batch.clean.shape[1:]
+    sigmas, noise = forward_noise(algo, total, shape, seed, first, n)
     clean = worker.to_device(batch.clean).repeat_interleave(k, dim=0)
-    sigmas, noise = worker.to_device(sigmas.reshape(-1)), worker.to_device(noise.reshape(n * k, *batch.clean.shape[1:]))
+    sigmas, noise = worker.to_device(sigmas.reshape(-1)), worker.to_device(noise.reshape(n * k, *shape))
     noisy = noisy_latents(clean, noise, sigmas)
     cond = batch.cond.apply(lambda t: worker.to_device(t).repeat_interleave(k, dim=0))
-    r = worker.to_device(batch.optimality).repeat_interleave(k)
-    micro = worker.cfg.trainer.micro_batch_size
-    with torch.no_grad():
-        old = torch.cat([worker.velocity(noisy[rows], sigmas[rows], cond.apply(lambda t: t[rows]), batch.guidance_scale) for rows in torch.arange(n * k).split(micro)])
-    totals: Dict[str, List[float]] = {}
+    with torch.no_grad():  # before any optimizer step: the rollout policy's
+        old = [
+            worker.velocity(noisy[rows], sigmas[rows], cond.apply(lambda t: t[rows]), batch.guidance_scale)
+            for rows in torch.arange(n * k).split(worker.cfg.trainer.micro_batch_size)
+        ]
+    return NoisedBatch(clean, noisy, sigmas, cond, worker.to_device(batch.optimality).repeat_interleave(k), torch.cat(old))
+
+
+def minibatch_step(worker, data: NoisedBatch, minibatch: torch.Tensor, guidance_scale: float) -> Dict[str, float]:
+    """One optimizer step of DiffusionNFT's loss on rows `minibatch`, in micro-batches."""
+    algo = worker.cfg.algorithm
+    sums: Dict[str, torch.Tensor] = {}
+    worker.zero_grad()
+    chunks = minibatch.split(worker.cfg.trainer.micro_batch_size)
+    for i, rows in enumerate(chunks):
+        velocity = worker.velocity(data.noisy[rows], data.sigmas[rows], data.cond.apply(lambda t: t[rows]), guidance_scale)
+        loss, pos, neg = nft_loss(
+            velocity, data.old_velocity[rows], data.noisy[rows], data.sigmas[rows], data.clean[rows],
+            data.optimality[rows], algo.beta, algo.adv_clip_max,
+        )  # fmt: skip
+        weight = len(rows) / len(minibatch)
+        worker.backward(loss * weight, sync=i == len(chunks) - 1)
+        for key, value in (("loss", loss), ("positive_error", pos), ("negative_error", neg)):
+            sums[key] = sums.get(key, 0.0) + value.detach().double() * weight
+    grad_norm = worker.optimizer_step()
+    metrics = {key: float(value) for key, value in sums.items()}
+    return {**metrics, "grad_norm": grad_norm, "skipped_nonfinite": float(not math.isfinite(grad_norm))}
+
+
+def update(worker, batch: NFTBatch, seed: int, first: int = 0, total: int = 0) -> Dict[str, float]:
+    """DiffusionNFT's update: the rollout policy's velocities first (no gradient), then
+    `num_inner_epochs` passes of `num_minibatches` optimizer steps over the noised samples."""
+    algo = worker.cfg.algorithm
+    data = noised(worker, batch, seed, first, total or len(batch))
     generator = torch.Generator().manual_seed(seed * 1_009 + first)
+    totals: Dict[str, List[float]] = {}
     for _ in range(algo.num_inner_epochs):
-        for minibatch in torch.randperm(n * k, generator=generator).tensor_split(algo.num_minibatches):
-            sums: Dict[str, torch.Tensor] = {}
-            worker.zero_grad()
-            chunks = minibatch.split(micro)
-            for i, rows in enumerate(chunks):
-                velocity = worker.velocity(noisy[rows], sigmas[rows], cond.apply(lambda t: t[rows]), batch.guidance_scale)
-                loss, pos, neg = nft_loss(velocity, old[rows], noisy[rows], sigmas[rows], clean[rows], r[rows], algo.beta, algo.adv_clip_max)
-                weight = len(rows) / len(minibatch)
-                worker.backward(loss * weight, sync=i == len(chunks) - 1)
-                for key, value in (("loss", loss), ("positive_error", pos), ("negative_error", neg)):
-                    sums[key] = sums.get(key, 0.0) + value.detach().double() * weight
-            grad_norm = worker.optimizer_step()
-            metrics = {**{key: float(v) for key, v in sums.items()}, "grad_norm": grad_norm, "skipped_nonfinite": float(not math.isfinite(grad_norm))}
-            for key, value in metrics.items():
+        for minibatch in torch.randperm(len(data.noisy), generator=generator).tensor_split(algo.num_minibatches):
+            for key, value in minibatch_step(worker, data, minibatch, batch.guidance_scale).items():
                 totals.setdefault(key, []).append(value)
     return {key: sum(values) / len(values) for key, values in totals.items()}
 
@@ -162,7 +193,8 @@ class DiffusionNFT(Algorithm):
         advantages = masked_group_advantages(rollout.scores["reward"], rollout.valid, algo.group_size, algo.adv_norm)
         r = optimality(clip_advantages(advantages, algo.adv_clip_max), algo.adv_clip_max)
         keep = rollout.valid  # an image without a finite reward sits the update out
-        batch = NFTBatch(rollout.batch.latents[keep, -1], rollout.batch.cond.apply(lambda t: t[keep]), r[keep], rollout.batch.options.guidance_scale)
+        cond = rollout.batch.cond.apply(lambda t: t[keep])
+        batch = NFTBatch(rollout.batch.latents[keep, -1], cond, r[keep], rollout.batch.options.guidance_scale)
         tick = time.perf_counter()
         metrics = worker.train(update, batch, update_seed(self.cfg.seed, step))
         timings = {**rollout.timings, "time/update": time.perf_counter() - tick}
