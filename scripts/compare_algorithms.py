@@ -42,6 +42,7 @@ VARIANTS: Dict[str, List[str]] = {
     "flow_grpo ema_decay=0.9": ["trainer.ema_decay=0.9"],
     "diffusion_nft": ["algorithm=diffusion_nft"],
     "mix_grpo": ["algorithm=mix_grpo"],
+    "grpo_guard sde_type=cps": ["algorithm=grpo_guard", "rollout.sde_type=cps"],
 }
 STEP_LINE = re.compile(r"^step (\d+): (.*)$")
 
