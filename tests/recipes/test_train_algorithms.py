@@ -1,16 +1,13 @@
-"""The newer algorithms and options through the real CLI on the tiny SD3: the held-out reward
-rises. Two runs at once cover GRPO-Guard with Coefficients-Preserving Sampling, and Flow-DPPO
-with the velocity KL and an EMA-evaluated LoRA (`scripts/compare_algorithms.py` runs each one
-alone, over seeds)."""
+"""The newer algorithms through the real CLI on the tiny SD3: the held-out reward rises. Two
+runs at once, the two update paths: GRPO-Guard (Flow-GRPO's machinery with a regulated
+ratio) and DiffusionNFT (forward-process training on ODE rollouts).
+`scripts/compare_algorithms.py` runs every algorithm and option over seeds."""
 
 import pytest
 
 from tests.recipes.test_train import paired_gain, train_in_parallel
 
-RUNS = {
-    "grpo_guard_cps": ["algorithm=grpo_guard", "rollout.sde_type=cps"],
-    "flow_dppo_velocity_kl_ema": ["algorithm=flow_dppo", "algorithm.kl_type=velocity", "algorithm.kl_coef=0.1", "trainer.ema_decay=0.9"],
-}
+RUNS = {"grpo_guard": ["algorithm=grpo_guard"], "diffusion_nft": ["algorithm=diffusion_nft"]}
 
 
 @pytest.mark.slow
