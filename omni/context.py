@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from omni.rollout.base import SamplingOptions
-from omni.rollout.sde import sde_window
+from omni.rollout.sde import noisy_steps, sde_window
 
 
 def step_seeds(seed: int, step: int, n: int) -> List[int]:
@@ -52,13 +52,14 @@ class StepContext:
             noise_level=rollout.noise_level,
             max_sequence_length=self.cfg.model.max_sequence_length,
             sde_steps=sde_steps,
+            sde_type=rollout.sde_type.value,
         )
 
     def sde_window(self, step: int, size: int = 0, allowed: Optional[Sequence[int]] = None) -> Tuple[int, int]:
         """Step `step`'s SDE steps: all of them (size 0), or a window of `size` whose start
         is drawn from `allowed` (Flow-GRPO-Fast)."""
         generator = torch.Generator().manual_seed(self.cfg.seed * 7_919 + step)
-        return sde_window(self.cfg.rollout.num_steps, size, allowed, generator)
+        return sde_window(noisy_steps(self.cfg.rollout), size, allowed, generator)
 
     def log_images(self, images: torch.Tensor, step: int) -> None:
         every = self.cfg.logger.image_every

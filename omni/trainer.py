@@ -8,6 +8,7 @@ step, the LoRA and the optimizer state to continue exactly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -24,6 +25,7 @@ from omni.config import TrainConfig
 from omni.config.validate import validate
 from omni.context import StepContext, means, step_seeds
 from omni.data.prompts import load_prompts
+from omni.ema import LoraEMA
 from omni.loggers import MetricsLogger
 from omni.models import get_family
 from omni.rewards import WeightedReward
@@ -61,6 +63,7 @@ class Trainer:
         self.resume_dir = self._resume_dir()  # checked before any model loads
         self.start_step = 0
         self.bad_steps = 0  # consecutive steps whose update had a non-finite gradient
+        self.ema = LoraEMA(cfg.trainer.ema_decay) if cfg.trainer.ema_decay is not None else None
         self.position = "set-up"  # where the loop is, for a failure's message
 
     @property
@@ -96,12 +99,27 @@ class Trainer:
         """Mean held-out rewards, plus what the algorithm measures on held-out data."""
         return {**means(scores, "eval/"), **self.algorithm.evaluate()}
 
+    @contextlib.contextmanager
+    def evaluated_weights(self):
+        """The LoRA that evaluations and exports use: the EMA when `trainer.ema_decay` is set
+        (swapped into the actor and the engine, then the trained LoRA is put back)."""
+        if self.ema is None or self.ema.average is None:
+            yield
+            return
+        trained = self.worker.lora_state_dict()
+        self.worker.load_lora(self.ema.weights(trained))
+        try:
+            yield
+        finally:
+            self.worker.load_lora(trained)
+
     def evaluate(self) -> Dict[str, torch.Tensor]:
         """Rewards of ODE samples on the held-out prompts and seeds, one per image."""
         n = self.cfg.trainer.eval_images_per_prompt
         prompts = [p for p in self.ctx.eval_prompts for _ in range(n)]
         seeds = step_seeds(self.cfg.trainer.eval_seed, 0, len(prompts))
-        batch = self.worker.generate(prompts, seeds, self.ctx.sampling_options())
+        with self.evaluated_weights():
+            batch = self.worker.generate(prompts, seeds, self.ctx.sampling_options())
         scores = self.ctx.reward(batch.images, prompts)
         valid = self.ctx.reward.finite(scores, self.position)
         return {name: values[valid] for name, values in scores.items()}
@@ -120,6 +138,8 @@ class Trainer:
         for step in bar:
             self.position = f"training step {step + 1}"
             metrics = self.algorithm.step(step)
+            if self.ema is not None:
+                self.ema.update(self.worker.lora_state_dict())
             self.count_bad_step(metrics, step + 1)
             bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.4f}" for k in ("reward/reward", "train/loss") if k in metrics})
             done = step + 1
@@ -157,12 +177,20 @@ class Trainer:
 
     # ----------------------------------------------------------------- checkpoints
     def save_checkpoint(self, step: int) -> Path:
+        """The exported LoRA is the EMA when there is one; the trained LoRA, which training
+        continues from, then goes into the trainer state."""
         config_yaml = OmegaConf.to_yaml(OmegaConf.structured(self.cfg))
         state = {"optimizer": self.worker.optimizer_state_dict(), "rng": checkpoint.rng_state(), "config": config_yaml}
-        return checkpoint.save_checkpoint(self.checkpoint_dir, step, self.worker.lora_state_dict(), self.cfg.model.lora, state, self.family)
+        lora = self.worker.lora_state_dict()
+        if self.ema is not None:
+            state["trained_lora"], lora = lora, self.ema.weights(lora)
+        return checkpoint.save_checkpoint(self.checkpoint_dir, step, lora, self.cfg.model.lora, state, self.family)
 
     def load_checkpoint(self, directory: Path) -> None:
-        lora, state = checkpoint.load_checkpoint(directory, self.family)
+        exported, state = checkpoint.load_checkpoint(directory, self.family)
+        lora = state.get("trained_lora", exported)
+        if self.ema is not None and "trained_lora" in state:
+            self.ema.update(exported)  # the saved average starts this run's
         self.worker.load_state(lora, state["optimizer"])
         checkpoint.set_rng_state(state["rng"])
         self.start_step = state["step"]

@@ -2,10 +2,13 @@
 update on a worker, and the training step.
 
 GRPO needs no value network: each prompt is sampled `group_size` times and an image's
-advantage is its reward standardised within its group (or by the batch's std). The policy
-gradient is PPO's clipped importance-ratio loss, applied per denoising step, with an
-optional KL between the policy's and the reference's Gaussian step distributions.
-Flow-GRPO-Fast samples with the SDE (and trains) only on a window of the steps.
+advantage is its reward minus its group's mean, divided by the group's std, the batch's std,
+or nothing (`algorithm.adv_norm`: group, global, or none as in Dr.GRPO, Liu et al. 2025,
+"Understanding R1-Zero-Like Training"). The policy gradient is PPO's clipped importance-ratio
+loss, applied per denoising step, with an optional penalty `kl_coef` x KL to the reference:
+between the policy's and the reference's Gaussian steps (`algorithm.kl_type=latent`, the
+paper's), or the squared distance of their predicted velocities (`kl_type=velocity`:
+independent of the noise level and the step size, and of the sampler). Flow-GRPO-Fast samples with the SDE (and trains) only on a window of the steps.
 
     python recipes/train.py algorithm=flow_grpo            # or algorithm=flow_grpo_fast
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -23,34 +26,50 @@ from omni.algorithms.base import Algorithm, grouped_rollout
 from omni.config.errors import require
 from omni.context import update_seed
 from omni.rollout.base import RolloutBatch
-from omni.rollout.sde import sde_step
+from omni.rollout.sde import noisy_steps, sde_step
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, global_std: bool = False, eps: float = 1e-4):
+def group_advantages(rewards: torch.Tensor, group_size: int, norm: str = "group", eps: float = 1e-4):
     """Rewards ordered group by group (group_size consecutive samples per prompt) ->
-    advantages (r - mean of its group) / std (of its group, or of the whole batch)."""
+    advantages r - mean of its group, divided by the std of its group (norm "group", GRPO),
+    of the whole batch ("global") or by nothing ("none", Dr.GRPO: the std division favours
+    prompts whose images barely differ)."""
+    norm = _norm_name(norm)
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     grouped = rewards.reshape(-1, group_size).float()
     centred = grouped - grouped.mean(dim=1, keepdim=True)
-    std = rewards.float().std() if global_std else grouped.std(dim=1, keepdim=True)
+    if norm == "none":
+        return centred.reshape(-1)
+    std = rewards.float().std() if norm == "global" else grouped.std(dim=1, keepdim=True)
     return (centred / (std + eps)).reshape(-1)
 
 
-def masked_group_advantages(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, global_std: bool = False, eps: float = 1e-4):
+def masked_group_advantages(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, norm: str = "group", eps: float = 1e-4):
     """`group_advantages` over the valid rewards only; an invalid (non-finite) reward gets
     advantage 0, so its image takes no part in the update."""
+    norm = _norm_name(norm)
     if valid.all():
-        return group_advantages(rewards, group_size, global_std, eps)
+        return group_advantages(rewards, group_size, norm, eps)
     mask = valid.reshape(-1, group_size)
     grouped = torch.where(mask, rewards.reshape(-1, group_size).float(), torch.zeros(()))
     count = mask.sum(dim=1, keepdim=True)
     centred = torch.where(mask, grouped - grouped.sum(dim=1, keepdim=True) / count.clamp(min=1), torch.zeros(()))
-    if global_std:
+    if norm == "none":
+        return centred.reshape(-1)
+    if norm == "global":
         std = rewards[valid].float().std()
     else:
         std = ((centred**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
     return (centred / (std + eps)).reshape(-1)
+
+
+def _norm_name(norm) -> str:
+    """"group", "global" or "none", from the config's enum or a plain string."""
+    norm = getattr(norm, "value", norm)
+    if norm not in ("group", "global", "none"):
+        raise ValueError(f"advantage normalisation {norm!r}: expected group, global or none")
+    return norm
 
 
 def clip_advantages(advantages: torch.Tensor, max_abs: float) -> torch.Tensor:
@@ -111,104 +130,196 @@ def minibatch_rows(n_samples: int, sde_steps, num_minibatches: int, seed: int, f
     return [(s, j) for s, j in minibatches if len(s)]
 
 
-def score_transitions(worker, rollout: RolloutBatch, samples: torch.Tensor, steps: torch.Tensor, with_reference: bool):
-    """The actor's log-probs of the stored transitions (sample i, step j), and the KL of its
-    step to the reference's (zeros without the reference) -> (log_prob, kl), fp32."""
+@dataclass
+class ScoredSteps:
+    """The actor's (or the reference's) Gaussian steps on stored transitions, fp32."""
+
+    log_prob: torch.Tensor  # (n,) log-density of the stored next latent, averaged over elements
+    mean: torch.Tensor  # (n, *latent) the step's mean
+    scale: torch.Tensor  # the step's standard deviation, broadcastable to `mean`
+    velocity: torch.Tensor  # (n, *latent) the predicted velocity the step came from
+
+
+def score_steps(worker, rollout: RolloutBatch, samples: torch.Tensor, steps: torch.Tensor, reference: bool = False) -> ScoredSteps:
+    """The Gaussian step of each stored transition (sample i, step j) under the policy (with
+    gradients) or the reference (adapters disabled, no gradients)."""
     opts = rollout.options
     latents = worker.to_device(rollout.latents[samples, steps])
     next_latents = worker.to_device(rollout.latents[samples, steps + 1])
     sigma, sigma_next = rollout.sigmas[steps], rollout.sigmas[steps + 1]
     cond = rollout.cond.apply(lambda t: worker.to_device(t[samples]))
-    sigma_max = float(rollout.sigmas[1])
+    velocity = worker.velocity(latents, sigma, cond, opts.guidance_scale, reference=reference)
+    _, log_prob, mean, scale = sde_step(
+        velocity, latents, sigma, sigma_next, float(rollout.sigmas[1]), opts.noise_level, next_sample=next_latents, sde_type=opts.sde_type
+    )
+    return ScoredSteps(log_prob, mean, scale, velocity)
 
-    def step_of(reference: bool):
-        velocity = worker.velocity(latents, sigma, cond, opts.guidance_scale, reference=reference)
-        return sde_step(velocity, latents, sigma, sigma_next, sigma_max, opts.noise_level, next_sample=next_latents)
 
-    _, log_prob, mean, scale = step_of(reference=False)
+def reference_kl(policy: ScoredSteps, ref: ScoredSteps, kl_type: str = "latent") -> torch.Tensor:
+    """Per-sample divergence of the policy from the reference: the Gaussian KL of their steps
+    ("latent", Flow-GRPO) or the squared distance of their predicted velocities ("velocity":
+    it does not depend on the SDE's noise scale, nor on the sampler, so the LoRA stays close
+    to the base in the quantity CFG combines at test time)."""
+    kl_type = getattr(kl_type, "value", kl_type)
+    if kl_type == "latent":
+        return gaussian_step_kl(policy.mean, ref.mean, policy.scale)
+    if kl_type == "velocity":
+        return velocity_kl(policy.velocity, ref.velocity)
+    raise ValueError(f"KL type {kl_type!r}: expected latent or velocity")
+
+
+def velocity_kl(velocity: torch.Tensor, ref_velocity: torch.Tensor) -> torch.Tensor:
+    """mean over latent elements of (v - v_ref)^2, per sample."""
+    return ((velocity - ref_velocity) ** 2).mean(dim=tuple(range(1, velocity.ndim)))
+
+
+def score_transitions(worker, rollout: RolloutBatch, samples: torch.Tensor, steps: torch.Tensor, with_reference: bool, kl_type: str = "latent"):
+    """The actor's log-probs of the stored transitions (sample i, step j), and its KL to the
+    reference (zeros without the reference) -> (log_prob, kl), fp32."""
+    policy = score_steps(worker, rollout, samples, steps)
     if not with_reference:
-        return log_prob, torch.zeros_like(log_prob)
-    _, _, ref_mean, _ = step_of(reference=True)
-    return log_prob, gaussian_step_kl(mean, ref_mean, scale)
+        return policy.log_prob, torch.zeros_like(policy.log_prob)
+    return policy.log_prob, reference_kl(policy, score_steps(worker, rollout, samples, steps, reference=True), kl_type)
 
 
-def minibatch_step(worker, batch: GRPOBatch, samples: torch.Tensor, steps: torch.Tensor) -> Dict[str, float]:
-    """One optimizer step on the transitions (samples, steps), in micro-batches."""
+@dataclass
+class OldSteps:
+    """What the rollout policy did on one micro-batch's transitions (on the actor's device)."""
+
+    log_prob: torch.Tensor  # (n,) the engine's log-probs
+    advantages: torch.Tensor  # (n,) each transition's sample's advantage
+    mean: Optional[torch.Tensor] = None  # (n, *latent) its step means, for losses that compare them
+
+
+def clipped_loss(policy: ScoredSteps, old: OldSteps, algo) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Flow-GRPO's policy loss: PPO's clipped ratio -> (loss, metrics)."""
+    loss, ratio, clip_fraction = clipped_policy_loss(policy.log_prob, old.log_prob, old.advantages, algo.clip_range)
+    return loss, {"clip_fraction": clip_fraction, "ratio": ratio.mean()}
+
+
+def minibatch_step(worker, batch: GRPOBatch, samples, steps, policy_loss=clipped_loss, old_means=None) -> Dict[str, float]:
+    """One optimizer step on the transitions (samples, steps), in micro-batches; the loss is
+    `policy_loss(policy steps, old steps, algorithm config)` plus the KL penalty."""
     algo = worker.cfg.algorithm
-    sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio": 0.0}  # tensors once added to: no sync per micro-batch
+    sums: Dict[str, torch.Tensor] = {}  # tensors: no device sync per micro-batch
     worker.zero_grad()
     chunks = torch.arange(len(samples)).split(worker.cfg.trainer.micro_batch_size)
+    start = batch.rollout.options.sde_steps[0]
     for i, rows in enumerate(chunks):
         s, j = samples[rows], steps[rows]
-        log_prob, kl = score_transitions(worker, batch.rollout, s, j, with_reference=algo.kl_coef > 0)
-        old_log_prob = batch.rollout.log_probs[s, j].to(log_prob.device)
-        adv = batch.advantages[s].to(log_prob.device)
-        policy_loss, ratio, clip_fraction = clipped_policy_loss(log_prob, old_log_prob, adv, algo.clip_range)
-        loss = policy_loss + algo.kl_coef * kl.mean()
+        policy = score_steps(worker, batch.rollout, s, j)
+        kl = torch.zeros_like(policy.log_prob)
+        if algo.kl_coef > 0:
+            kl = reference_kl(policy, score_steps(worker, batch.rollout, s, j, reference=True), algo.kl_type)
+        device = policy.log_prob.device
+        old = OldSteps(
+            batch.rollout.log_probs[s, j].to(device),
+            batch.advantages[s].to(device),
+            None if old_means is None else old_means[s, j - start],
+        )
+        main, extras = policy_loss(policy, old, algo)
+        loss = main + algo.kl_coef * kl.mean()
         weight = len(rows) / len(samples)  # the mean over this worker's rows; FSDP averages the workers
         worker.backward(loss * weight, sync=i == len(chunks) - 1)
-        for key, value in (("loss", loss), ("kl", kl.mean()), ("clip_fraction", clip_fraction), ("ratio", ratio.mean())):
-            sums[key] += value.detach().double() * weight
+        for key, value in {"loss": loss, "kl": kl.mean(), **extras}.items():
+            sums[key] = sums.get(key, 0.0) + value.detach().double() * weight
     grad_norm = worker.optimizer_step()
     metrics = {key: float(value) for key, value in sums.items()}
     return {**metrics, "grad_norm": grad_norm, "skipped_nonfinite": float(not math.isfinite(grad_norm))}
 
 
-def update(worker, batch: GRPOBatch, seed: int, first: int = 0, total: int = 0) -> Dict[str, float]:
-    """Flow-GRPO update on every (sample, SDE step) transition of the batch: each inner epoch
-    is `num_minibatches` optimizer steps (see `minibatch_rows`). A worker of a group holds
-    rows [first, first + len(batch)) of the whole batch."""
+@torch.no_grad()
+def rollout_step_means(worker, rollout: RolloutBatch) -> torch.Tensor:
+    """The step means of every (sample, SDE step) of the batch under the current weights, which
+    are the rollout's (the engine is synced after each update): (B, window, *latent). Losses that
+    compare the policy's step with the rollout's (GRPO-Guard, Flow-DPPO) read them, as they
+    change once the first minibatch has stepped the optimizer."""
+    start, stop = rollout.options.sde_steps
+    samples = torch.arange(len(rollout)).repeat_interleave(stop - start)
+    steps = torch.arange(start, stop).repeat(len(rollout))
+    chunks = torch.arange(len(samples)).split(worker.cfg.trainer.micro_batch_size)
+    means = [score_steps(worker, rollout, samples[rows], steps[rows]).mean for rows in chunks]
+    return torch.cat(means).reshape(len(rollout), stop - start, *means[0].shape[1:])
+
+
+def run_update(worker, batch: GRPOBatch, seed: int, first: int, policy_loss=clipped_loss, needs_old_means: bool = False):
+    """Every (sample, SDE step) transition of the batch, `num_inner_epochs` times, each pass
+    `num_minibatches` optimizer steps (see `minibatch_rows`) of `policy_loss`. A worker of a
+    group holds rows [first, first + len(batch)) of the whole batch."""
     algo = worker.cfg.algorithm
+    old_means = rollout_step_means(worker, batch.rollout) if needs_old_means else None
     totals: Dict[str, List[float]] = {}
     for epoch in range(algo.num_inner_epochs):
         plan = minibatch_rows(len(batch), batch.rollout.options.sde_steps, algo.num_minibatches, seed * 1_009 + epoch, first)
         for samples, steps in plan:
-            for key, value in minibatch_step(worker, batch, samples, steps).items():
+            for key, value in minibatch_step(worker, batch, samples, steps, policy_loss, old_means).items():
                 totals.setdefault(key, []).append(value)
     return {key: sum(values) / len(values) for key, values in totals.items()}
+
+
+def update(worker, batch: GRPOBatch, seed: int, first: int = 0, total: int = 0) -> Dict[str, float]:
+    """Flow-GRPO's update (the clipped ratio loss) on a worker."""
+    return run_update(worker, batch, seed, first)
 
 
 # ----------------------------------------------------------------- the step, on the driver
 class FlowGRPO(Algorithm):
     """prompts -> SDE rollout -> reward -> group advantages -> clipped-ratio update of the
-    LoRA -> weight sync into the rollout engine."""
+    LoRA -> weight sync into the rollout engine. Variants change only the worker-side
+    `update` (a module-level function, so a Ray group can ship it)."""
+
+    update = staticmethod(update)
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        algo, rollout, trainer = cfg.algorithm, cfg.rollout, cfg.trainer
-        check_groups(algo.group_size, trainer.batch_size)
-        require(algo.clip_range > 0, f"algorithm.clip_range={algo.clip_range} must be positive")
-        require(algo.num_inner_epochs >= 1, f"algorithm.num_inner_epochs={algo.num_inner_epochs} must be >= 1")
-        sde_steps = algo.sde_window_size or rollout.num_steps
-        require(
-            1 <= algo.num_minibatches <= sde_steps,
-            f"algorithm.num_minibatches={algo.num_minibatches}: each sample's {sde_steps} SDE steps are shared out "
-            f"over the minibatches, so expected 1 to {sde_steps}",
-        )
-        if algo.sde_window_size > 0:
-            require(
-                algo.sde_window_size <= rollout.num_steps,
-                f"algorithm.sde_window_size={algo.sde_window_size} exceeds rollout.num_steps={rollout.num_steps}",
-            )
-            if algo.sde_window_range is not None:
-                lo, hi = algo.sde_window_range
-                require(
-                    0 <= lo <= hi and hi + algo.sde_window_size <= rollout.num_steps,
-                    f"algorithm.sde_window_range={list(algo.sde_window_range)} does not fit a window of "
-                    f"{algo.sde_window_size} in rollout.num_steps={rollout.num_steps}",
-                )
+        require(cfg.algorithm.clip_range > 0, f"algorithm.clip_range={cfg.algorithm.clip_range} must be positive")
+        check_policy_config(cfg)
+
+    def window(self, step: int) -> Tuple[int, int]:
+        """Step `step`'s SDE steps [start, stop): all, or Flow-GRPO-Fast's random window."""
+        return self.ctx.sde_window(step, self.cfg.algorithm.sde_window_size, self.cfg.algorithm.sde_window_range)
 
     def step(self, step: int) -> Dict[str, float]:
         algo, worker = self.cfg.algorithm, self.ctx.worker
-        window = self.ctx.sde_window(step, algo.sde_window_size, algo.sde_window_range)
-        rollout = grouped_rollout(self.ctx, step, algo.group_size, window)
-        advantages = masked_group_advantages(rollout.scores["reward"], rollout.valid, algo.group_size, algo.global_std)
+        rollout = grouped_rollout(self.ctx, step, algo.group_size, self.window(step))
+        advantages = masked_group_advantages(rollout.scores["reward"], rollout.valid, algo.group_size, algo.adv_norm)
         advantages = clip_advantages(advantages, algo.adv_clip_max)
         tick = time.perf_counter()
-        metrics = worker.train(update, GRPOBatch(rollout.batch, advantages), update_seed(self.cfg.seed, step))
+        metrics = worker.train(self.update, GRPOBatch(rollout.batch, advantages), update_seed(self.cfg.seed, step))
         timings = {**rollout.timings, "time/update": time.perf_counter() - tick}
         timings["time/sync"] = worker.sync_weights()["sync/seconds"]
         return {**rollout.reward_metrics(), **{f"train/{k}": v for k, v in metrics.items()}, **timings}
+
+
+def check_policy_config(cfg) -> None:
+    """The rules every group-advantage, per-step policy algorithm shares: groups, epochs, the
+    SDE window and its minibatches."""
+    algo, rollout, trainer = cfg.algorithm, cfg.rollout, cfg.trainer
+    check_groups(algo.group_size, trainer.batch_size)
+    require(algo.num_inner_epochs >= 1, f"algorithm.num_inner_epochs={algo.num_inner_epochs} must be >= 1")
+    available = noisy_steps(rollout)
+    steps_of = f"rollout.num_steps={rollout.num_steps}" + (
+        f" (with rollout.sde_type=cps the last step, to sigma 0, has no noise: {available} stochastic steps)"
+        if available < rollout.num_steps else ""
+    )
+    sde_steps = algo.sde_window_size or available
+    require(
+        1 <= algo.num_minibatches <= sde_steps,
+        f"algorithm.num_minibatches={algo.num_minibatches}: each sample's {sde_steps} SDE steps are shared out "
+        f"over the minibatches, so expected 1 to {sde_steps}",
+    )
+    if algo.sde_window_size > 0:
+        require(
+            algo.sde_window_size <= available,
+            f"algorithm.sde_window_size={algo.sde_window_size} exceeds {steps_of}",
+        )
+        if algo.sde_window_range is not None:
+            lo, hi = algo.sde_window_range
+            require(
+                0 <= lo <= hi and hi + algo.sde_window_size <= available,
+                f"algorithm.sde_window_range={list(algo.sde_window_range)} does not fit a window of "
+                f"{algo.sde_window_size} in {steps_of}",
+            )
 
 
 def check_groups(group_size: int, batch_size: int) -> None:

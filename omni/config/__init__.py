@@ -10,7 +10,15 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from omni.config.algorithm import AlgorithmConfig, DPOConfig, FlowGRPOConfig, OnlineDPOConfig
+from omni.config.algorithm import (
+    AlgorithmConfig,
+    DiffusionNFTConfig,
+    DPOConfig,
+    FlowDPPOConfig,
+    FlowGRPOConfig,
+    MixGRPOConfig,
+    OnlineDPOConfig,
+)
 from omni.config.data import DataConfig
 from omni.config.logger import LoggerConfig
 from omni.config.model import FSDPConfig, LoraConfig, ModelConfig
@@ -19,7 +27,8 @@ from omni.config.rollout import RolloutConfig, VllmRolloutConfig
 from omni.config.trainer import TrainerConfig
 from omni.rewards import REWARDS
 
-ALGORITHM_SCHEMAS = {"flow_grpo": FlowGRPOConfig, "dpo": DPOConfig, "online_dpo": OnlineDPOConfig}
+ALGORITHM_SCHEMAS = {"flow_grpo": FlowGRPOConfig, "flow_dppo": FlowDPPOConfig, "dpo": DPOConfig, "online_dpo": OnlineDPOConfig,
+                     "diffusion_nft": DiffusionNFTConfig, "mix_grpo": MixGRPOConfig}
 
 
 @dataclass
@@ -49,10 +58,13 @@ def register_configs() -> None:
 __all__ = [
     "AlgorithmConfig",
     "DPOConfig",
+    "DiffusionNFTConfig",
     "DataConfig",
     "FSDPConfig",
+    "FlowDPPOConfig",
     "FlowGRPOConfig",
     "LoggerConfig",
+    "MixGRPOConfig",
     "LoraConfig",
     "ModelConfig",
     "OnlineDPOConfig",

@@ -19,6 +19,13 @@ class VllmBackend(str, Enum):
     local = "local"  # the same pipeline in the engine process without vLLM-Omni (tests, debugging)
 
 
+class SDEType(str, Enum):
+    """The stochastic step that rollouts take and the actor re-scores (omni/rollout/sde.py)."""
+
+    sde = "sde"  # Flow-GRPO's ODE-to-SDE step
+    cps = "cps"  # Coefficients-Preserving Sampling: DDIM's noise coefficients kept
+
+
 @dataclass
 class RolloutConfig:
     engine: Engine = MISSING
@@ -26,7 +33,10 @@ class RolloutConfig:
     # None: the model's native value (model.resolution, model.guidance_scale).
     resolution: Optional[int] = None
     guidance_scale: Optional[float] = None
-    # Flow-GRPO's SDE noise scale (a in sigma_t = a * sqrt(t / (1 - t))).
+    # The stochastic step of SDE-based algorithms (see SDEType).
+    sde_type: SDEType = SDEType.sde
+    # Its noise scale: a in sigma_t = a * sqrt(t / (1 - t)) for sde; eta in (0, 1] for cps,
+    # whose step to t' has std t' sin(eta pi / 2).
     noise_level: float = 0.7
     # Images per engine forward pass.
     micro_batch_size: int = 16

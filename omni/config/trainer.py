@@ -37,6 +37,9 @@ class TrainerConfig:
     # Stop after this many steps in a row whose gradient was not finite (their optimizer
     # steps are skipped, so the weights stay as they were).
     max_bad_steps: int = 3
+    # Exponential moving average of the LoRA, updated after every step (omni/ema.py); when set,
+    # evaluations and exported checkpoints use the average. None: off.
+    ema_decay: Optional[float] = None
     # Only evaluate (the initial or resumed policy): needs trainer.steps=0.
     eval_only: bool = False
     progress_bar: bool = True

@@ -17,7 +17,7 @@ from omni.algorithms import get_algorithm
 from omni.checkpoint import DamagedCheckpoint, check_checkpoint
 from omni.config import TrainConfig
 from omni.config.errors import ConfigError, require
-from omni.config.rollout import Engine
+from omni.config.rollout import Engine, SDEType
 from omni.data.prompts import load_prompts
 from omni.models import get_family
 from omni.models.base import ModelFamily
@@ -92,6 +92,11 @@ def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
     )
     require(rollout.num_steps >= 2, f"rollout.num_steps={rollout.num_steps}: need at least 2")
     require(rollout.noise_level > 0, f"rollout.noise_level={rollout.noise_level} must be positive")
+    require(
+        rollout.sde_type != SDEType.cps or rollout.noise_level <= 1,
+        f"rollout.noise_level={rollout.noise_level} with rollout.sde_type=cps: CPS's eta must be in (0, 1] "
+        f"(its step to sigma' has std sigma' sin(eta pi / 2))",
+    )
     require(rollout.guidance_scale >= 0, f"rollout.guidance_scale={rollout.guidance_scale} must be >= 0 (1 or less: no CFG)")
     require(rollout.micro_batch_size > 0, "rollout.micro_batch_size must be positive")
     check_share_actor(cfg)
@@ -147,6 +152,10 @@ def check_trainer(cfg: TrainConfig) -> None:
             trainer.steps >= 1,
             f"trainer.steps={trainer.steps}: a run trains at least 1 step; to only evaluate, set trainer.eval_only=true trainer.steps=0",
         )
+    require(
+        trainer.ema_decay is None or 0 < trainer.ema_decay < 1,
+        f"trainer.ema_decay={trainer.ema_decay} must be in (0, 1) (the weight of the previous average), or null for no EMA",
+    )
     require(trainer.max_bad_steps >= 1, f"trainer.max_bad_steps={trainer.max_bad_steps} must be >= 1")
     require(trainer.lr > 0, f"trainer.lr={trainer.lr} must be positive")
     require(trainer.batch_size > 0, f"trainer.batch_size={trainer.batch_size} must be positive")

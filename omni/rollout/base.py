@@ -26,6 +26,8 @@ class SamplingOptions:
     max_sequence_length: int
     # Steps [start, stop) sampled with the SDE and scored; the others are ODE steps.
     sde_steps: Tuple[int, int]
+    # The stochastic step: "sde" (Flow-GRPO) or "cps" (omni.rollout.sde).
+    sde_type: str = "sde"
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The Flow-GRPO rollout sampler shared by every engine (in-process diffusers, vLLM-Omni).
 
-Given a model family and its diffusers pipeline, it samples images with SDE steps and
+Given a model family and its diffusers pipeline, it samples images with SDE steps (Flow-GRPO's,
+or coefficients-preserving ones: `SamplingOptions.sde_type`) and
 returns what the actor needs to re-score them. Both engines call `sample_rollout`, so they
 produce the same latents and log-probs for the same weights, prompts and seeds.
 
@@ -23,7 +24,7 @@ import torch
 
 from omni.models.base import Conditioning, ModelFamily
 from omni.rollout.base import RolloutBatch, SamplingOptions
-from omni.rollout.sde import ode_step, sde_step
+from omni.rollout.sde import is_noisy_step, ode_step, sde_step
 
 
 class PromptCache:
@@ -100,8 +101,10 @@ def sample_trajectories(
     for i in range(options.num_steps):
         sigma = sigmas[i].expand(len(seeds)).to(device)
         velocity = family.predict_velocity(transformer, x.to(dtype), sigma, cond, options.guidance_scale)
-        if start <= i < stop:
-            x, log_prob, _, _ = sde_step(velocity, x, sigmas[i], sigmas[i + 1], sigma_max, options.noise_level, noise=draw())
+        if start <= i < stop and is_noisy_step(options.sde_type, sigmas[i + 1]):
+            x, log_prob, _, _ = sde_step(
+                velocity, x, sigmas[i], sigmas[i + 1], sigma_max, options.noise_level, noise=draw(), sde_type=options.sde_type
+            )
         else:
             x, log_prob = ode_step(velocity, x, sigmas[i], sigmas[i + 1]), torch.zeros(len(seeds), device=device)
         trajectory.append(x)

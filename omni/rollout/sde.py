@@ -9,7 +9,21 @@ marginals whose step is Gaussian:
     x'     = mean + std_t sqrt(-dt) * eps,       dt = sigma' - sigma < 0
 
 so the log-probability of the step taken is a Gaussian log-density; it is averaged over
-the latent's elements, as in the paper. Both the rollout engine and the actor call these
+the latent's elements, as in the paper.
+
+Coefficients-Preserving Sampling (`sde_type="cps"`; Wang and Yu 2025, "Coefficients-
+Preserving Sampling for Reinforcement Learning with Flow Matching", arXiv:2509.05952) keeps
+the coefficients of DDIM: from the model's estimates of the clean latent x0 = x - sigma v and
+of the noise x1 = x + (1 - sigma) v, the step to sigma' is
+
+    std    = sigma' sin(eta pi / 2)                       (eta = noise_level, in (0, 1])
+    mean   = (1 - sigma') x0 + sqrt(sigma'^2 - std^2) x1  = (1 - sigma') x0 + sigma' cos(eta pi / 2) x1
+    x'     = mean + std * eps
+
+so x' is (1 - sigma') x0 plus noise of total std sigma', exactly the marginal's
+coefficients: the SDE step instead inflates the noise at low sigma, and its samples stay
+noisy. The step that lands on sigma' = 0 has no noise (it is the ODE's Euler step): it
+carries no log-probability and no sampler treats it as stochastic (`noisy_steps`). Both the rollout engine and the actor call these
 functions, so the log-probs they compute agree by construction.
 
 The step and its log-prob are computed in at least fp32 whatever the transformer's dtype:
@@ -43,16 +57,36 @@ def sde_mean_and_scale(velocity, sample, sigma, sigma_next, sigma_max, noise_lev
     return mean, std_t * torch.sqrt(-dt)
 
 
+def cps_mean_and_scale(velocity, sample, sigma, sigma_next, noise_level):
+    """Mean and standard deviation of the coefficients-preserving step from `sample` at `sigma`."""
+    velocity, sample = _at_least_fp32(velocity), _at_least_fp32(sample)
+    sigma = _per_sample(sigma, sample)
+    sigma_next = _per_sample(sigma_next, sample)
+    clean = sample - sigma * velocity
+    noise = sample + (1 - sigma) * velocity
+    angle = noise_level * math.pi / 2
+    mean = (1 - sigma_next) * clean + sigma_next * math.cos(angle) * noise
+    return mean, sigma_next * math.sin(angle)
+
+
 def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Per-sample log-density of x under N(mean, scale^2), averaged over the latent."""
     log_p = -((x.detach() - mean) ** 2) / (2 * scale**2) - torch.log(scale) - _LOG_SQRT_2PI
     return log_p.mean(dim=tuple(range(1, x.ndim)))
 
 
-def sde_step(velocity, sample, sigma, sigma_next, sigma_max, noise_level, noise=None, next_sample=None):
-    """One SDE step. Draws x' = mean + scale * noise unless `next_sample` is given (the
-    actor re-scoring a stored trajectory). Returns (x', log_prob, mean, scale)."""
-    mean, scale = sde_mean_and_scale(velocity, sample, sigma, sigma_next, sigma_max, noise_level)
+def sde_step(velocity, sample, sigma, sigma_next, sigma_max, noise_level, noise=None, next_sample=None, sde_type="sde"):
+    """One stochastic step ("sde" or "cps"). Draws x' = mean + scale * noise unless
+    `next_sample` is given (the actor re-scoring a stored trajectory). Returns
+    (x', log_prob, mean, scale)."""
+    if sde_type == "sde":
+        mean, scale = sde_mean_and_scale(velocity, sample, sigma, sigma_next, sigma_max, noise_level)
+    elif sde_type == "cps":
+        if bool((torch.as_tensor(sigma_next) <= 0).any()):
+            raise ValueError("a coefficients-preserving step to sigma 0 has no noise and no log-probability; it is an ODE step")
+        mean, scale = cps_mean_and_scale(velocity, sample, sigma, sigma_next, noise_level)
+    else:
+        raise ValueError(f"sde_type {sde_type!r}: expected sde or cps")
     if next_sample is None:
         next_sample = mean + scale * _at_least_fp32(noise)
     next_sample = _at_least_fp32(next_sample)
@@ -72,6 +106,17 @@ def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
 def _per_sample(value, like: torch.Tensor) -> torch.Tensor:
     value = torch.as_tensor(value, dtype=like.dtype, device=like.device)
     return value.reshape(-1, *([1] * (like.ndim - 1))) if value.ndim else value
+
+
+def is_noisy_step(sde_type: str, sigma_next) -> bool:
+    """Whether a stochastic step to `sigma_next` draws noise (CPS's step to sigma 0 does not)."""
+    return sde_type != "cps" or float(sigma_next) > 0
+
+
+def noisy_steps(rollout) -> int:
+    """How many of the rollout's steps may be stochastic (from the first): all for "sde"; for
+    "cps" all but the last, which lands on sigma 0 (every flow-matching schedule ends there)."""
+    return rollout.num_steps - (1 if rollout.sde_type == "cps" else 0)
 
 
 def sde_window(num_steps: int, window_size: int, window_range, generator: torch.Generator) -> tuple[int, int]:

@@ -41,7 +41,7 @@ def request_inputs(prompt: str, seed: int, options: SamplingOptions) -> Tuple[Di
         max_sequence_length=options.max_sequence_length,
         seed=int(seed),
         num_outputs_per_prompt=1,
-        extra_args={ROLLOUT_KEY: {"noise_level": options.noise_level, "sde_steps": list(options.sde_steps)}},
+        extra_args={ROLLOUT_KEY: {"noise_level": options.noise_level, "sde_steps": list(options.sde_steps), "sde_type": options.sde_type}},
     )
     return {"prompt": prompt}, sampling
 
@@ -61,6 +61,7 @@ def options_from_sampling_params(params) -> SamplingOptions:
         noise_level=float(ours.get("noise_level", 0.0)),
         max_sequence_length=int(params.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH),
         sde_steps=tuple(ours.get("sde_steps", (0, 0))),
+        sde_type=str(ours.get("sde_type", "sde")),
     )
 
 

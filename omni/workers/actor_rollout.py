@@ -122,18 +122,26 @@ class ActorRolloutWorker:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_optimizer_state_dict(self.actor, self.optimizer, options=options)
 
-    def load_state(self, lora: Dict[str, torch.Tensor], optimizer_state: dict) -> None:
-        """Restore the LoRA (PEFT names) and the optimizer, then sync the engine."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    def load_lora(self, lora: Dict[str, torch.Tensor], sync: bool = True) -> None:
+        """Set the LoRA (PEFT names, as `lora_state_dict` returns them), then sync the engine."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         adapter = self.lora_cfg.adapter_name
         expected = set(self.lora_state_dict())
         if set(lora) != expected:
             raise KeyError(
-                f"checkpoint LoRA does not match adapter '{adapter}': missing {sorted(expected - set(lora))[:5]}, "
+                f"LoRA does not match adapter '{adapter}': missing {sorted(expected - set(lora))[:5]}, "
                 f"unexpected {sorted(set(lora) - expected)[:5]}"
             )
         set_model_state_dict(self.actor, module_lora_names(lora, adapter), options=StateDictOptions(full_state_dict=True, strict=False))
+        if sync:
+            self.sync_weights()
+
+    def load_state(self, lora: Dict[str, torch.Tensor], optimizer_state: dict) -> None:
+        """Restore the LoRA (PEFT names) and the optimizer, then sync the engine."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        self.load_lora(lora, sync=False)
         set_optimizer_state_dict(self.actor, self.optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))
         self.sync_weights()
 

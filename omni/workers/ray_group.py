@@ -81,6 +81,10 @@ class RayActorRolloutWorker(Worker):
     def load_state(self, lora: Dict[str, torch.Tensor], optimizer_state: dict) -> None:
         self.worker.load_state(lora, optimizer_state)
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def load_lora(self, lora: Dict[str, torch.Tensor]) -> None:
+        self.worker.load_lora(lora)
+
     @register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode=Execute.RANK_ZERO, blocking=False)
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         return self.worker.encode_images(images)
@@ -195,6 +199,9 @@ class ActorRolloutGroup:
     def load_state(self, lora: Dict[str, torch.Tensor], optimizer_state: dict) -> None:
         # one copy in the object store for all workers
         self._gather("load_state", self.workers.load_state(ray.put(lora), ray.put(optimizer_state)))
+
+    def load_lora(self, lora: Dict[str, torch.Tensor]) -> None:
+        self._gather("load_lora", self.workers.load_lora(ray.put(lora)))
 
     # ----------------------------------------------------------------- shutdown
     def _kill_workers(self) -> None:

@@ -17,33 +17,6 @@ from tests.workers.test_actor_rollout import rescore
 PROMPTS = ["a red cat", "a blue dog"]
 
 
-@pytest.fixture(scope="module")
-def worker(tiny_cache, tmp_path_factory):
-    from omni.trainer import model_path
-    from omni.workers.actor_rollout import ActorRolloutWorker
-
-    cfg = validate(compose_config([f"model.cache_dir={tiny_cache}", "trainer.micro_batch_size=64"], tmp_path_factory.mktemp("run")))
-    worker = ActorRolloutWorker(cfg, model_path(cfg.model))
-    worker.setup()
-    yield worker
-    worker.shutdown()
-
-
-@pytest.fixture
-def fresh(worker):
-    """The module's worker with its LoRA, optimizer and KL weight restored after the test."""
-    lora = [p.detach().clone() for p in worker.trainable]
-    optimizer = worker.optimizer.state_dict()
-    kl_coef = worker.cfg.algorithm.kl_coef
-    yield worker
-    with torch.no_grad():
-        for p, saved in zip(worker.trainable, lora):
-            p.copy_(saved)
-    worker.optimizer.load_state_dict(optimizer)
-    worker.cfg.algorithm.kl_coef = kl_coef
-    worker.sync_weights()
-
-
 def randomise_lora(worker, seed=0, scale=0.2):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -81,9 +54,14 @@ def test_positive_kl_coef_changes_the_gradient(fresh):
     fresh.cfg.algorithm.kl_coef = 0.0
     without = gradients_of_one_update(fresh, batch)
     fresh.cfg.algorithm.kl_coef = 0.5
-    with_kl = gradients_of_one_update(fresh, batch)
-    assert len(without) == len(with_kl) == fresh.cfg.algorithm.num_minibatches
-    for a, b in zip(without, with_kl):
+    with_kl = {}
+    for kl_type in ("latent", "velocity"):
+        fresh.cfg.algorithm.kl_type = kl_type
+        with_kl[kl_type] = gradients_of_one_update(fresh, batch)
+        assert len(without) == len(with_kl[kl_type]) == fresh.cfg.algorithm.num_minibatches
+        for a, b in zip(without, with_kl[kl_type]):
+            assert (a - b).norm() > 1e-3 * a.norm(), kl_type
+    for a, b in zip(with_kl["latent"], with_kl["velocity"]):  # the two penalties pull differently
         assert (a - b).norm() > 1e-3 * a.norm()
 
 

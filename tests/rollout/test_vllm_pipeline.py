@@ -110,6 +110,8 @@ def test_request_round_trips_the_options():
     prompt, sampling = request_inputs("a cat", 123, opts)
     assert prompt == {"prompt": "a cat"} and sampling["seed"] == 123
     assert options_from_sampling_params(SimpleNamespace(**sampling)) == opts
+    cps = options(noise_level=0.5, sde_steps=(0, 3), sde_type="cps")  # the engine samples the same step
+    assert options_from_sampling_params(SimpleNamespace(**request_inputs("a cat", 1, cps)[1])) == cps
 
 
 def test_warm_up_request_without_our_options_samples_ode(tiny_sd3_dir):

@@ -52,6 +52,7 @@ CASES = {
     "shared_actor": [],
     # packed latents, two block containers, the distilled guidance embedding
     "flux": ["model=flux_tiny", OWN_COPY],
+    "cps": ["rollout.sde_type=cps"],
 }
 
 
@@ -69,6 +70,9 @@ def test_actor_log_probs_match_engine_after_sync(case, tiny_cache, tmp_path):
         assert stop - start == 2
         ode = [j for j in range(cfg.rollout.num_steps) if not start <= j < stop]
         assert torch.all(batch.log_probs[:, ode] == 0)
+    if case == "cps":  # every step stochastic but the last, which lands on sigma 0
+        assert batch.options.sde_steps == (0, cfg.rollout.num_steps - 1)
+        assert torch.all(batch.log_probs[:, -1] == 0) and torch.all(batch.log_probs[:, :-1] != 0)
 
 
 def test_stale_engine_is_detected(tiny_cache, tmp_path):

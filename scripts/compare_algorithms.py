@@ -1,0 +1,178 @@
+"""Compare the algorithms on one task: the tiny SD3 and the brightness reward, the same
+steps, batch and seeds for each, trained with the real CLI (`recipes/train.py`).
+
+    python scripts/compare_algorithms.py --out comparison [--seeds 0 1] [--steps 50] [--jobs 2]
+    python scripts/compare_algorithms.py --out comparison --variants flow_grpo grpo_guard
+
+Each (variant, seed) is one run in `<out>/runs/<variant>_seed<seed>`; a run already finished
+there is read, not repeated. The held-out reward (ODE samples of held-out prompts and seeds,
+the same before and after) is evaluated every `--eval-every` steps. Writes
+`<out>/results.json` (per run: gain, paired t, held-out reward against step, images sampled
+and wall time), `<out>/table.md` (mean gain and t over the seeds), and, with matplotlib,
+`<out>/curves.png`. Wall time is measured from the run's start, evaluations included, so it
+is comparable between variants only when the runs had the machine to themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+# name -> overrides of recipes/train.py; each model_algorithm pair file brings the tiny model's settings
+VARIANTS: Dict[str, List[str]] = {
+    "flow_grpo": [],
+    "grpo_guard": ["algorithm=grpo_guard"],
+    "flow_dppo": ["algorithm=flow_dppo"],
+    "mix_grpo": ["algorithm=mix_grpo"],
+    "diffusion_nft": ["algorithm=diffusion_nft"],
+    "flow_grpo sde_type=cps": ["rollout.sde_type=cps"],
+    "grpo_guard sde_type=cps": ["algorithm=grpo_guard", "rollout.sde_type=cps"],
+    "flow_grpo adv_norm=global": ["algorithm.adv_norm=global"],
+    "flow_grpo adv_norm=none": ["algorithm.adv_norm=none"],
+    "flow_grpo kl_type=velocity kl_coef=0.1": ["algorithm.kl_type=velocity", "algorithm.kl_coef=0.1"],
+    "flow_grpo kl_type=velocity kl_coef=0.01": ["algorithm.kl_type=velocity", "algorithm.kl_coef=0.01"],
+    "flow_grpo kl_type=velocity kl_coef=0.001": ["algorithm.kl_type=velocity", "algorithm.kl_coef=0.001"],
+    "flow_grpo ema_decay=0.9": ["trainer.ema_decay=0.9"],
+}
+STEP_LINE = re.compile(r"^step (\d+): (.*)$")
+
+
+def slug(variant: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", variant).strip("_")
+
+
+def paired_gain(summary: dict) -> Dict[str, float]:
+    gain = torch.tensor(summary["after"]) - torch.tensor(summary["before"])
+    return {"gain": float(gain.mean()), "t": float(gain.mean() / (gain.std() / len(gain) ** 0.5)), "n": len(gain)}
+
+
+def start_run(variant: str, seed: int, args) -> dict:
+    run_dir = args.out / "runs" / f"{slug(variant)}_seed{seed}"
+    command = [
+        sys.executable, "recipes/train.py", f"hydra.run.dir={run_dir}", f"seed={seed}", f"trainer.steps={args.steps}",
+        f"trainer.eval_every={args.eval_every}", f"logger.console_every={args.eval_every}", "trainer.progress_bar=false",
+        *VARIANTS[variant], *args.overrides,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    log = open(run_dir.parent / f"{run_dir.name}.log", "w")
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return {"variant": variant, "seed": seed, "dir": run_dir, "process": process, "log": log, "start": time.time(), "curve": []}
+
+
+def follow(run: dict) -> None:
+    """Read the run's output to its end, noting the wall time of each held-out evaluation."""
+    for line in run["process"].stdout:
+        run["log"].write(line)
+        match = STEP_LINE.match(line.strip())
+        if match and "eval/reward=" in line:
+            reward = float(re.search(r"eval/reward=([-0-9.e]+)", line).group(1))
+            run["curve"].append({"step": int(match.group(1)), "reward": reward, "wall_s": time.time() - run["start"]})
+    run["process"].wait()
+    run["log"].close()
+
+
+def result_of(run: dict, batch_size: int) -> dict:
+    run_dir = run["dir"]
+    if run["process"].returncode != 0:
+        raise RuntimeError(f"{run['variant']} seed {run['seed']} failed; see {run_dir}.log")
+    for point in run["curve"]:
+        point["images"] = point["step"] * batch_size
+    result = {"variant": run["variant"], "seed": run["seed"], "curve": run["curve"], "wall_s": time.time() - run["start"]}
+    result.update(paired_gain(json.loads((run_dir / "eval.json").read_text())))
+    (run_dir / "comparison.json").write_text(json.dumps(result))
+    return result
+
+
+def run_one(variant: str, seed: int, args) -> dict:
+    done = args.out / "runs" / f"{slug(variant)}_seed{seed}" / "comparison.json"
+    if done.exists():  # finished before: read, not repeated
+        return json.loads(done.read_text())
+    done.parent.parent.mkdir(parents=True, exist_ok=True)
+    run = start_run(variant, seed, args)
+    follow(run)
+    result = result_of(run, args.batch_size)
+    print(f"{variant:<30} seed {seed}: gain {result['gain']:+.5f}  t {result['t']:6.2f}", flush=True)
+    return result
+
+
+def run_all(args) -> List[dict]:
+    """Every (variant, seed), `--jobs` at a time (a thread follows each run's output)."""
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        return list(pool.map(lambda job: run_one(*job, args), [(v, s) for v in args.variants for s in args.seeds]))
+
+
+def table(results: List[dict], variants: List[str]) -> str:
+    lines = ["| variant | seeds | held-out gain (mean) | paired t per seed | wall s (mean) |", "|---|---|---|---|---|"]
+    for variant in variants:
+        rows = sorted((r for r in results if r["variant"] == variant), key=lambda r: r["seed"])
+        if rows:
+            gains = sum(r["gain"] for r in rows) / len(rows)
+            ts = ", ".join(f"{r['t']:.1f}" for r in rows)
+            wall = sum(r["wall_s"] for r in rows) / len(rows)
+            lines.append(f"| {variant} | {len(rows)} | {gains:+.5f} | {ts} | {wall:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: List[dict], variants: List[str], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return False
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for variant in variants:
+        rows = [r for r in results if r["variant"] == variant and r["curve"]]
+        if not rows:
+            continue
+        n = min(len(r["curve"]) for r in rows)
+        mean = lambda key: [sum(r["curve"][i][key] for r in rows) / len(rows) for i in range(n)]  # noqa: E731
+        for axis, key in zip(axes, ("wall_s", "images")):
+            axis.plot(mean(key), mean("reward"), marker="o", label=variant)
+    for axis, label in zip(axes, ("wall time (s)", "images sampled")):
+        axis.set_xlabel(label)
+        axis.set_ylabel("held-out reward (mean over seeds)")
+    axes[1].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="VARIANT")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=32, help="images per step (trainer.batch_size of the runs)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once")
+    parser.add_argument("--threads", type=int, default=1, help="OpenMP threads per run")
+    parser.add_argument("overrides", nargs="*", help="more overrides for every run")
+    args = parser.parse_args()
+    args.overrides = [*args.overrides, f"trainer.batch_size={args.batch_size}"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = run_all(args)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    text = table(results, args.variants)
+    (args.out / "table.md").write_text(text)
+    plotted = plot(results, args.variants, args.out / "curves.png")
+    print(text + f"written: {args.out / 'results.json'}, {args.out / 'table.md'}" + (f", {args.out / 'curves.png'}" if plotted else ""))
+
+
+if __name__ == "__main__":
+    main()

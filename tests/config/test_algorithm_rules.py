@@ -1,0 +1,61 @@
+"""Options of the algorithms and samplers that do not go together fail at validation, before
+any model loads, naming both keys."""
+
+import pytest
+
+from omni.config.validate import ConfigError, validate
+from tests.conftest import compose_config
+
+BAD = {
+    "cps eta above 1": (["rollout.sde_type=cps", "rollout.noise_level=1.5"], ["rollout.noise_level", "rollout.sde_type=cps"]),
+    "cps window on the last step": (
+        ["rollout.sde_type=cps", "algorithm=flow_grpo_fast", "algorithm.sde_window_range=[0,8]"],
+        ["algorithm.sde_window_range", "rollout.sde_type=cps"],
+    ),
+    "cps window too wide": (
+        ["rollout.sde_type=cps", "algorithm=flow_grpo_fast", "algorithm.sde_window_size=10", "algorithm.sde_window_range=null"],
+        ["algorithm.sde_window_size", "rollout.sde_type=cps"],
+    ),
+    "unknown sde type": (["rollout.sde_type=ddim"], ["rollout.sde_type"]),
+    "unknown advantage normalisation": (["algorithm.adv_norm=batch"], ["algorithm.adv_norm"]),
+    "unknown kl type": (["algorithm.kl_type=score"], ["algorithm.kl_type"]),
+    "ema decay of 1": (["trainer.ema_decay=1.0"], ["trainer.ema_decay=1.0", "(0, 1)"]),
+    "ema decay of 0": (["trainer.ema_decay=0"], ["trainer.ema_decay=0", "(0, 1)"]),
+    "cps with diffusion_nft": (["algorithm=diffusion_nft", "rollout.sde_type=cps"], ["rollout.sde_type=cps", "algorithm=diffusion_nft"]),
+    "cfg with diffusion_nft": (["algorithm=diffusion_nft", "rollout.guidance_scale=4.5"], ["rollout.guidance_scale", "algorithm=diffusion_nft"]),
+    "mix_grpo window larger than the steps": (
+        ["algorithm=mix_grpo", "algorithm.sde_window_size=11"], ["algorithm.sde_window_size=11", "rollout.num_steps=10"]
+    ),
+    "mix_grpo window with a range": (["algorithm=mix_grpo", "algorithm.sde_window_range=[0,2]"], ["algorithm.sde_window_range"]),
+    "dppo threshold": (["algorithm=flow_dppo", "algorithm.kl_mask_threshold=0"], ["algorithm.kl_mask_threshold"]),
+    "dppo has no clip range": (["algorithm=flow_dppo", "algorithm.clip_range=0.1"], ["algorithm.clip_range"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_combination_names_its_keys(case, tmp_path):
+    overrides, keys = BAD[case]
+    with pytest.raises(Exception) as error:
+        validate(compose_config(overrides, tmp_path))
+    text = str(error.value) + str(error.value.__cause__ or "")
+    assert all(key in text for key in keys), text
+
+
+GOOD = [
+    ["rollout.sde_type=cps", "rollout.noise_level=1.0"],
+    ["rollout.sde_type=cps", "algorithm=flow_grpo_fast"],  # the preset's window [0, 5] + 2 fits 9 stochastic steps
+    ["algorithm.adv_norm=none", "algorithm.kl_type=velocity", "algorithm.kl_coef=0.1"],
+    ["algorithm=grpo_guard", "rollout.sde_type=cps", "trainer.ema_decay=0.95"],
+    ["algorithm=flow_dppo", "rollout.sde_type=cps", "algorithm.kl_coef=0.01"],
+    ["algorithm=diffusion_nft", "algorithm.adv_norm=none"],
+]
+
+
+@pytest.mark.parametrize("overrides", GOOD, ids=lambda o: " ".join(o))
+def test_compatible_options_validate(overrides, tmp_path):
+    validate(compose_config(overrides, tmp_path))
+
+
+def test_config_error_is_the_type_raised(tmp_path):
+    with pytest.raises(ConfigError):
+        validate(compose_config(BAD["cps eta above 1"][0], tmp_path))
