@@ -3,7 +3,8 @@ evaluation on held-out prompts and seeds, logging and checkpoints.
 
 Everything random is a function of (seed, step): the prompts of a step, the seeds of its
 images, the SDE window and the update's shuffling. A resumed run therefore needs only the
-step, the LoRA and the optimizer state to continue exactly.
+step, the LoRA, the optimizer state and the algorithm's own state (offline DPO's data
+position) to continue exactly.
 """
 
 from __future__ import annotations
@@ -157,7 +158,8 @@ class Trainer:
     # ----------------------------------------------------------------- checkpoints
     def save_checkpoint(self, step: int) -> Path:
         config_yaml = OmegaConf.to_yaml(OmegaConf.structured(self.cfg))
-        state = {"optimizer": self.worker.optimizer_state_dict(), "rng": checkpoint.rng_state(), "config": config_yaml}
+        state = {"optimizer": self.worker.optimizer_state_dict(), "rng": checkpoint.rng_state(), "config": config_yaml,
+                 "algorithm": self.algorithm.state_dict()}
         return checkpoint.save_checkpoint(self.checkpoint_dir, step, self.worker.lora_state_dict(), self.cfg.model.lora, state, self.family)
 
     def load_checkpoint(self, directory: Path) -> None:
@@ -165,9 +167,11 @@ class Trainer:
         self.worker.load_state(lora, state["optimizer"])
         checkpoint.set_rng_state(state["rng"])
         self.start_step = state["step"]
+        self.algorithm.load_state_dict(state.get("algorithm", {}), self.start_step)
 
     def cleanup(self) -> None:
         """Close what `setup` opened, also after a set-up that failed half-way."""
+        self.algorithm.close()
         if self.ctx.logger is not None:
             self.ctx.logger.close()
         if self.worker is not None:

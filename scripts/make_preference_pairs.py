@@ -8,7 +8,7 @@ printed path is the JSONL file to give the DPO recipe as its preference data.
 
 import argparse
 
-from omni.data.preferences import write_synthetic_pairs
+from omni.data.synthetic_pairs import write_synthetic_pairs
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from omni.config.validate import validate
-from omni.algorithms.dpo import split_pairs
+from omni.data.pair_loader import split_positions
 from omni.algorithms.online_dpo import best_and_worst
 from omni.trainer import Trainer
 from tests.conftest import compose_config
@@ -33,7 +33,7 @@ def test_loss_is_log2_at_init(offline_trainer):
 
 def test_a_few_steps_beat_chance_on_held_out_pairs(offline_trainer):
     algorithm = offline_trainer.algorithm
-    assert len(algorithm.eval_pairs) >= 8
+    assert len(algorithm.data.held_out) >= 8
     for step in range(6):
         algorithm.step(step)
     metrics = algorithm.evaluate()
@@ -49,7 +49,8 @@ def test_best_and_worst_skip_ties():
 
 
 def test_split_is_seeded_and_disjoint():
-    pairs = list(range(10))
-    train, held = split_pairs(pairs, 0.2, seed=0)
-    assert len(held) == 2 and sorted(train + held) == pairs
-    assert split_pairs(pairs, 0.2, seed=0) == (train, held)
+    train, held = split_positions(10, 0.2, seed=0)
+    assert len(held) == 2 and sorted([*train, *held]) == list(range(10))
+    again = split_positions(10, 0.2, seed=0)
+    assert (again[0] == train).all() and (again[1] == held).all()
+    assert (split_positions(10, 0.2, seed=1)[1] != held).any()

@@ -1,0 +1,170 @@
+"""The pairs offline DPO trains on, as `PairBatch`es of latents and text conditioning.
+
+Read before any model loads: the data is scanned (bad rows named or skipped and counted) or,
+with a complete `data.latent_cache`, its manifest is checked against the run and the scan
+skipped. Then one of two providers serves batches:
+  * `StreamedPairs`: each step's pairs are read and decoded in a DataLoader
+    (`data.num_workers`) and encoded by the worker's VAE and text encoders;
+  * `CachedPairs`: each step's latents and embeddings are read from the memory-mapped cache
+    (`omni.data.latent_cache`), built once from the stream if it is not complete yet.
+Both serve the same pairs in the same order (`omni.data.pair_loader`), and the encoders give
+each image and prompt the same numbers whatever the batch it is encoded in, so a run trains
+the same with or without the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Iterator, Optional
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from omni.data import latent_cache
+from omni.data.pair_loader import PairImages, TrainBatches, batch_positions, chunks, pair_loader, split_positions
+from omni.data.pair_sources import PairSource, open_pair_source, scan
+from omni.models.base import Conditioning
+
+logger = logging.getLogger(__name__)
+
+EVAL_CHUNK = 64  # held-out pairs scored at a time
+
+
+@dataclass
+class PairBatch:
+    """Latents of chosen and rejected images and their prompts' conditioning, row-aligned."""
+
+    x0_chosen: torch.Tensor
+    x0_rejected: torch.Tensor
+    cond: Conditioning
+
+    def __len__(self) -> int:
+        return len(self.x0_chosen)
+
+    def select(self, rows) -> "PairBatch":
+        return PairBatch(self.x0_chosen[rows].clone(), self.x0_rejected[rows].clone(), self.cond.apply(lambda t: t[rows].clone()))
+
+
+def model_dir(model) -> Path:
+    """The checkpoint directory whose encoders a run uses (the tiny model is built on first use)."""
+    from omni.models import get_family
+
+    if model.tiny_seed is not None:
+        return Path(get_family(model.family).tiny_path(model.cache_dir, model.tiny_seed))
+    return Path(model.path).expanduser()
+
+
+class PairData:
+    """The data of a run: its source, its good rows and counts, and the split (read before
+    any model loads)."""
+
+    def __init__(self, cfg, key: str = "data.pairs"):
+        from omni.models import get_family
+
+        data = cfg.data
+        self.cfg, self.key = cfg, key
+        self.source: PairSource = open_pair_source(data.pairs, key)
+        self.cache: Optional[latent_cache.LatentCache] = None
+        self.first_bad: Optional[str] = None
+        self.conditioning = get_family(cfg.model.family).conditioning
+        self.cache_key = None
+        if data.latent_cache:
+            self.cache_key = latent_cache.cache_key(cfg, self.source, get_family(cfg.model.family), model_dir(cfg.model))
+        if self.cache_key is not None and latent_cache.is_complete(data.latent_cache):
+            self.cache = latent_cache.open_cache(data.latent_cache, self.cache_key, self.conditioning, data.skip_bad_rows)
+            self.rows, self.stats = self.cache.rows, dict(self.cache.stats)
+        else:
+            found = scan(self.source, key, data.skip_bad_rows)
+            self.rows, self.stats, self.first_bad = found.good_rows, found.stats, found.first_bad
+        self.train, self.held_out = split_positions(len(self.rows), data.pairs_eval_fraction, cfg.seed)
+
+    def provider(self, worker, options, progress: bool) -> "Provider":
+        """The batches of the run: from the cache (built now if missing), or streamed."""
+        data = self.cfg.data
+        if self.cache_key is not None and self.cache is None:
+            latent_cache.build_cache(
+                data.latent_cache, self.cache_key, self.source, self.rows, self.stats, worker, options.resolution,
+                options.max_sequence_length, data.skip_bad_rows, self.first_bad, data.num_workers, progress,
+            )
+            self.cache = latent_cache.open_cache(data.latent_cache, self.cache_key, self.conditioning, data.skip_bad_rows)
+            self.stats = dict(self.cache.stats)
+        if self.cache is not None:
+            return CachedPairs(self)
+        return StreamedPairs(self, worker, options)
+
+
+class Provider:
+    """Training batches from a data position on, and held-out batches in chunks."""
+
+    def __init__(self, data: PairData):
+        self.data, self.cfg = data, data.cfg
+        self.dropped = 0  # pairs left out of their batch for an image that did not decode
+
+    def train_batches(self, consumed: int) -> Iterator:
+        raise NotImplementedError
+
+    def eval_batches(self) -> Iterator:
+        raise NotImplementedError
+
+
+class StreamedPairs(Provider):
+    def __init__(self, data: PairData, worker, options):
+        super().__init__(data)
+        self.worker, self.options = worker, options
+
+    def _dataset(self, positions: np.ndarray) -> PairImages:
+        data = self.cfg.data
+        return PairImages(self.data.source, self.data.rows, positions, self.options.resolution, self.data.key, data.skip_bad_rows)
+
+    def _encode(self, decoded):
+        if decoded.dropped:
+            self.dropped += len(decoded.dropped)
+            for message in decoded.dropped:
+                logger.warning("skipping a preference pair whose image does not decode: %s", message)
+        if not len(decoded):
+            return None
+        worker, length = self.worker, self.options.max_sequence_length
+        cond = worker.encode_prompts(decoded.prompts, 1.0, length)
+        return PairBatch(worker.encode_images(decoded.chosen), worker.encode_images(decoded.rejected), cond)
+
+    def train_batches(self, consumed: int) -> Iterator:
+        sampler = TrainBatches(consumed, self.cfg.trainer.batch_size, len(self.data.train), self.cfg.seed)
+        for decoded in pair_loader(self._dataset(self.data.train), sampler, self.cfg.data.num_workers):
+            yield self._encode(decoded)
+
+    def eval_batches(self) -> Iterator:
+        held_out = self.data.held_out
+        loader = pair_loader(self._dataset(held_out), chunks(len(held_out), EVAL_CHUNK), self.cfg.data.num_workers)
+        for decoded in loader:
+            yield self._encode(decoded)
+
+
+class CachedPairs(Provider):
+    def _batch(self, positions: np.ndarray):
+        chosen, rejected, cond, valid = self.data.cache.read(positions)
+        if not valid.all():  # already counted in the cache's stats
+            keep = torch.from_numpy(valid)
+            chosen, rejected, cond = chosen[keep], rejected[keep], cond.apply(lambda t: t[keep])
+        return PairBatch(chosen, rejected, cond) if len(chosen) else None
+
+    def train_batches(self, consumed: int) -> Iterator:
+        batch_size, train = self.cfg.trainer.batch_size, self.data.train
+        while True:
+            yield self._batch(train[batch_positions(consumed, batch_size, len(train), self.cfg.seed)])
+            consumed += batch_size
+
+    def eval_batches(self) -> Iterator:
+        held_out = self.data.held_out
+        for chunk in chunks(len(held_out), EVAL_CHUNK):
+            yield self._batch(held_out[chunk])
+
+
+def split_digest(positions: np.ndarray) -> str:
+    """A short digest of the train positions: a resumed run must walk the same ones."""
+    import hashlib
+
+    return hashlib.sha1(np.ascontiguousarray(positions, dtype=np.int64).tobytes()).hexdigest()[:16]
+
