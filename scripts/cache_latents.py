@@ -30,8 +30,6 @@ def run_config(overrides):
 
 
 def main(argv=None) -> None:
-    import torch
-
     from omni.algorithms.dpo_pairs import PairData, model_dir
     from omni.distributed import pick_device
     from omni.models import get_family

@@ -23,6 +23,7 @@ import glob
 import json
 import logging
 import os
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -88,7 +89,7 @@ class JsonlSource(PairSource):
     def __init__(self, files: Sequence[Path]):
         self.files = list(files)
         self.base_dir = self.files[0].parent
-        offsets, lines, file_ids = [], [], []
+        offsets, lines, file_ids = array("q"), array("q"), array("i")  # 8 bytes a row, not a Python int
         for file_id, path in enumerate(self.files):
             position = 0
             with path.open("rb") as stream:
@@ -98,9 +99,9 @@ class JsonlSource(PairSource):
                         lines.append(number)
                         file_ids.append(file_id)
                     position += len(raw)
-        self.offsets = np.asarray(offsets, dtype=np.int64)
-        self.lines = np.asarray(lines, dtype=np.int64)
-        self.file_ids = np.asarray(file_ids, dtype=np.int32)
+        self.offsets = np.frombuffer(offsets, dtype=np.int64)
+        self.lines = np.frombuffer(lines, dtype=np.int64)
+        self.file_ids = np.frombuffer(file_ids, dtype=np.int32)
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -287,7 +288,7 @@ def bad_row_message(source: PairSource, row: int, key: str, error: Exception) ->
 def scan(source: PairSource, key: str = "data.pairs", skip_bad_rows: bool = False) -> ScanResult:
     """Check every row (see the module docstring); raises on the first bad row unless
     `skip_bad_rows`, and when no pair is left."""
-    good, first_bad = [], None
+    good, first_bad = array("q"), None
     stats = {"rows": 0, "pairs": 0, "skipped_bad": 0, "skipped_ties": 0}
     for row, values in source.scan_rows():
         stats["rows"] += 1
@@ -311,7 +312,7 @@ def scan(source: PairSource, key: str = "data.pairs", skip_bad_rows: bool = Fals
         logger.warning("%s: skipped %d bad row(s) of %d", name, stats["skipped_bad"], stats["rows"])
     if not good:
         raise ValueError(f"{name}: no preference pairs ({stats})")
-    return ScanResult(np.asarray(good, dtype=np.int64), stats, first_bad)
+    return ScanResult(np.frombuffer(good, dtype=np.int64), stats, first_bad)
 
 
 def load_preference_pairs(

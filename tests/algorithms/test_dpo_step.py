@@ -36,6 +36,7 @@ def test_a_few_steps_beat_chance_on_held_out_pairs(offline_trainer):
     assert len(algorithm.data.held_out) >= 8
     for step in range(6):
         algorithm.step(step)
+    assert algorithm.state_dict()["pairs_consumed"] == 6 * 16  # the data position a checkpoint keeps
     metrics = algorithm.evaluate()
     assert metrics["eval/implicit_accuracy"] > 0.5
     assert metrics["eval/loss"] < math.log(2)
@@ -54,3 +55,15 @@ def test_split_is_seeded_and_disjoint():
     again = split_positions(10, 0.2, seed=0)
     assert (again[0] == train).all() and (again[1] == held).all()
     assert (split_positions(10, 0.2, seed=1)[1] != held).any()
+
+
+def test_data_position_is_saved_and_checked(offline_trainer):
+    algorithm = offline_trainer.algorithm
+    state = algorithm.state_dict()
+    assert state["pairs_consumed"] == 0 and state["train_pairs"] == len(algorithm.data.train)
+    algorithm.load_state_dict({**state, "pairs_consumed": 48}, step=3)
+    assert algorithm.consumed == 48 and algorithm.batches is None  # the next step reads from pair 48 on
+    algorithm.load_state_dict({}, step=2)  # a checkpoint from before the position was saved
+    assert algorithm.consumed == 32
+    with pytest.raises(ValueError, match="the checkpoint trained on 30 pairs.*same data"):
+        algorithm.load_state_dict({**state, "train_pairs": 30}, step=1)
