@@ -3,20 +3,21 @@
 Read before any model loads: the data is scanned (bad rows named or skipped and counted) or,
 with a complete `data.latent_cache`, its manifest is checked against the run and the scan
 skipped. Then one of two providers serves batches:
-  * `StreamedPairs`: each step's pairs are read and decoded in a DataLoader
-    (`data.num_workers`) and encoded by the worker's VAE and text encoders;
+  * `StreamedPairs`: the pairs are read and decoded in a DataLoader (`data.num_workers`)
+    and encoded by the worker's VAE and text encoders, 32 train positions at a time, as
+    the steps reach them;
   * `CachedPairs`: each step's latents and embeddings are read from the memory-mapped cache
     (`omni.data.latent_cache`), built once from the stream if it is not complete yet.
 Both serve the same pairs in the same order (`omni.data.pair_loader`). The numbers differ
-only by the encoders' rounding for another batch size (the cache encodes 32 pairs at a time
-in file order, the stream each step's pairs): latents agree to ~1e-5 on the CPU.
+only by the encoders' rounding for another batch (the cache encodes 32 pairs at a time in
+file order, the stream 32 at a time in training order): latents agree to ~1e-5 on the CPU.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional, Tuple
 
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from omni.models.base import Conditioning
 logger = logging.getLogger(__name__)
 
 EVAL_CHUNK = 64  # held-out pairs scored at a time
+ENCODE_CHUNK = 32  # training pairs decoded and encoded at a time
 
 
 @dataclass
@@ -46,6 +48,11 @@ class PairBatch:
 
     def select(self, rows) -> "PairBatch":
         return PairBatch(self.x0_chosen[rows].clone(), self.x0_rejected[rows].clone(), self.cond.apply(lambda t: t[rows].clone()))
+
+    @staticmethod
+    def cat(parts: List["PairBatch"]) -> "PairBatch":
+        conds = [p.cond for p in parts]
+        return PairBatch(torch.cat([p.x0_chosen for p in parts]), torch.cat([p.x0_rejected for p in parts]), type(conds[0]).cat(conds))
 
 
 def model_dir(model) -> Path:
@@ -136,9 +143,26 @@ class StreamedPairs(Provider):
         return PairBatch(worker.encode_images(decoded.chosen), worker.encode_images(decoded.rejected), cond)
 
     def train_batches(self, consumed: int) -> Iterator:
-        sampler = TrainBatches(consumed, self.cfg.trainer.batch_size, len(self.data.train), self.cfg.seed)
-        for decoded in pair_loader(self._dataset(self.data.train), sampler, self.cfg.data.num_workers):
-            yield self._encode(decoded)
+        """Each step's pairs, encoded ENCODE_CHUNK train positions at a time: chunk k always
+        holds positions [k * ENCODE_CHUNK, (k + 1) * ENCODE_CHUNK), whatever the batch size
+        or the position a run resumes at, so every pair is encoded in the same company (the
+        encoders round differently for another batch) and the encoders run on full batches."""
+        batch_size, n_train = self.cfg.trainer.batch_size, len(self.data.train)
+        start = consumed - consumed % ENCODE_CHUNK
+        sampler = TrainBatches(start, ENCODE_CHUNK, n_train, self.cfg.seed)
+        loader = iter(pair_loader(self._dataset(self.data.train), sampler, self.cfg.data.num_workers))
+        held: List[Tuple[np.ndarray, Optional[PairBatch]]] = []  # (positions, their encodings) of whole chunks
+        while True:
+            while start < consumed + batch_size:
+                decoded = next(loader)
+                held.append((start + np.asarray(decoded.kept, dtype=np.int64), self._encode(decoded)))
+                start += ENCODE_CHUNK
+            parts = [pairs.select(torch.from_numpy(np.flatnonzero((positions >= consumed) & (positions < consumed + batch_size))))
+                     for positions, pairs in held if pairs is not None]
+            parts = [part for part in parts if len(part)]
+            yield PairBatch.cat(parts) if parts else None
+            consumed += batch_size
+            held = [(positions, pairs) for positions, pairs in held if positions.size and positions.max() >= consumed]
 
     def eval_batches(self) -> Iterator:
         held_out = self.data.held_out

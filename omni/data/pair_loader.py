@@ -74,6 +74,7 @@ class DecodedPairs:
     chosen: Optional[torch.Tensor]
     rejected: Optional[torch.Tensor]
     dropped: List[str] = field(default_factory=list)  # why each unreadable pair left the batch
+    kept: List[int] = field(default_factory=list)  # which of the batch's pairs these are
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -112,13 +113,14 @@ class PairImages(Dataset):
 
 
 def collate_pairs(items: list) -> DecodedPairs:
-    good = [item for item in items if not isinstance(item, str)]
+    kept = [i for i, item in enumerate(items) if not isinstance(item, str)]
+    good = [items[i] for i in kept]
     dropped = [item for item in items if isinstance(item, str)]
     if not good:
-        return DecodedPairs([], None, None, dropped)
+        return DecodedPairs([], None, None, dropped, kept)
     # uint8 -> /255 in float32, exactly as `images_to_tensor` computes it
     stack = lambda side: torch.stack([item[side] for item in good]).float().div(255.0)  # noqa: E731
-    return DecodedPairs([item[0] for item in good], stack(1), stack(2), dropped)
+    return DecodedPairs([item[0] for item in good], stack(1), stack(2), dropped, kept)
 
 
 def pair_loader(dataset: Dataset, batch_sampler, num_workers: int, collate_fn=collate_pairs) -> DataLoader:
