@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,7 +40,8 @@ def child(args) -> None:
 
     overrides = ["algorithm=dpo", "data=pairs", f"data.pairs={args.pairs}", "trainer.progress_bar=false",
                  f"trainer.batch_size={args.batch_size}", f"model.cache_dir={args.model_cache}", *args.overrides]
-    cfg = validate(compose_config(overrides, tempfile.mkdtemp(prefix="bench-data-")))
+    out_dir = tempfile.mkdtemp(prefix="bench-data-run-")
+    cfg = validate(compose_config(overrides, out_dir))
     trainer = Trainer(cfg)
     trainer.ctx.reward.setup()
     trainer.ctx.worker = build_actor_rollout(cfg, model_path(cfg.model))
@@ -55,6 +57,7 @@ def child(args) -> None:
               "peak_rss_workers_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
     if hasattr(trainer.algorithm, "close"):
         trainer.algorithm.close()
+    shutil.rmtree(out_dir, ignore_errors=True)
     print("RESULT " + json.dumps(result))
 
 

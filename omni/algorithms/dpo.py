@@ -257,6 +257,8 @@ class OfflineDPO(Algorithm):
             if pairs is not None:  # the first chunk draws the noise a single batch did
                 seed = self.cfg.trainer.eval_seed + chunk * 1_000_000_007
                 parts.append((len(pairs), self.ctx.worker.evaluate(evaluate, pairs, seed)))
+        if not parts:  # every held-out pair was unreadable (and skipped)
+            return {}
         metrics = mean_over_chunks(parts)
         return {f"eval/{k}": v for k, v in metrics.items() if k in ("loss", "implicit_accuracy", "reward_margin")}
 

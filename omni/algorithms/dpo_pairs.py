@@ -15,11 +15,11 @@ file order, the stream 32 at a time in training order): latents agree to ~1e-5 o
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
-
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ import torch
 from omni.data import latent_cache
 from omni.data.pair_loader import PairImages, TrainBatches, batch_positions, chunks, pair_loader, split_positions
 from omni.data.pair_sources import PairSource, open_pair_source, scan
+from omni.models import get_family
 from omni.models.base import Conditioning
 
 logger = logging.getLogger(__name__)
@@ -57,8 +58,6 @@ class PairBatch:
 
 def model_dir(model) -> Path:
     """The checkpoint directory whose encoders a run uses (the tiny model is built on first use)."""
-    from omni.models import get_family
-
     if model.tiny_seed is not None:
         return Path(get_family(model.family).tiny_path(model.cache_dir, model.tiny_seed))
     return Path(model.path).expanduser()
@@ -69,17 +68,14 @@ class PairData:
     any model loads)."""
 
     def __init__(self, cfg, key: str = "data.pairs"):
-        from omni.models import get_family
-
         data = cfg.data
         self.cfg, self.key = cfg, key
         self.source: PairSource = open_pair_source(data.pairs, key)
         self.cache: Optional[latent_cache.LatentCache] = None
         self.first_bad: Optional[str] = None
-        self.conditioning = get_family(cfg.model.family).conditioning
-        self.cache_key = None
-        if data.latent_cache:
-            self.cache_key = latent_cache.cache_key(cfg, self.source, get_family(cfg.model.family), model_dir(cfg.model))
+        family = get_family(cfg.model.family)
+        self.conditioning = family.conditioning
+        self.cache_key = latent_cache.cache_key(cfg, self.source, family, model_dir(cfg.model)) if data.latent_cache else None
         if self.cache_key is not None and latent_cache.is_complete(data.latent_cache):
             self.cache = latent_cache.open_cache(data.latent_cache, self.cache_key, self.conditioning, data.skip_bad_rows)
             self.rows, self.stats = self.cache.rows, dict(self.cache.stats)
@@ -193,7 +189,5 @@ class CachedPairs(Provider):
 
 def split_digest(positions: np.ndarray) -> str:
     """A short digest of the train positions: a resumed run must walk the same ones."""
-    import hashlib
-
     return hashlib.sha1(np.ascontiguousarray(positions, dtype=np.int64).tobytes()).hexdigest()[:16]
 
