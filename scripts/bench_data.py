@@ -7,9 +7,10 @@
    2,000 and over 20,000 synthetic pairs (`scripts/make_preference_pairs.py`, parquet shards
    with the images embedded). Streaming keeps only row numbers per pair, so the larger set
    should use at most 1.3x the memory of the smaller (`rss_ratio`).
-2. Speed: pairs/s over one epoch of `--speed-pairs` pairs (data set-up plus every step; model
-   loading excluded) with `data.latent_cache` (built beforehand, by `scripts/cache_latents.py`)
-   and without (`cache_speedup`, target >= 3). With `--baseline DIR`, the same run of the code
+2. Speed: pairs/s over one epoch of `--speed-pairs` pairs (reading the data, the algorithm's
+   set-up and every step; model loading excluded) with `data.latent_cache` (built beforehand,
+   by `scripts/cache_latents.py`) and without, decoding in the driver or in one worker
+   process (`cache_speedup`, target >= 3). With `--baseline DIR`, the same run of the code
    in DIR (e.g. `git worktree add DIR <commit>` of a commit that encoded every pair in memory at
    set-up) is timed too, and `stream_vs_baseline` compares streaming without the cache to it.
 Each run is a fresh process with one CPU thread (`--threads`); the speed runs are repeated
@@ -45,10 +46,12 @@ def child(args) -> None:
                  f"trainer.batch_size={args.batch_size}", f"model.cache_dir={args.model_cache}", *args.overrides]
     out_dir = tempfile.mkdtemp(prefix="bench-data-run-")
     cfg = validate(compose_config(overrides, out_dir))
-    trainer = Trainer(cfg)
-    trainer.ctx.reward.setup()
-    trainer.ctx.worker = build_actor_rollout(cfg, model_path(cfg.model))
     tick = time.perf_counter()
+    trainer = Trainer(cfg)  # reads the data (the in-memory path decoded every image here)
+    reading_s = time.perf_counter() - tick
+    trainer.ctx.reward.setup()
+    trainer.ctx.worker = build_actor_rollout(cfg, model_path(cfg.model))  # model loading: not counted
+    tick = time.perf_counter() - reading_s
     trainer.algorithm.setup()
     update_s = 0.0  # of which the updates themselves (the rest: reading, decoding, encoding)
     for step in range(args.steps):
@@ -102,7 +105,8 @@ def speed(work: Path, model_cache: str, n: int, batch_size: int, baseline, repea
                     f"data.pairs={pairs}", f"data.latent_cache={cache}", f"model.cache_dir={model_cache}"],
                    cwd=REPO, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(THREADS)})
     build_s = time.perf_counter() - tick
-    runs = {"streamed": (REPO, common), "latent_cache": (REPO, [*common, f"data.latent_cache={cache}"])}
+    runs = {"streamed": (REPO, common), "streamed_1_worker": (REPO, [*common, "data.num_workers=1"]),
+            "latent_cache": (REPO, [*common, f"data.latent_cache={cache}"])}
     if baseline:
         runs["baseline_in_memory"] = (Path(baseline), common)
     best = {}
@@ -119,6 +123,7 @@ def speed(work: Path, model_cache: str, n: int, batch_size: int, baseline, repea
            "cache_build_s": round(build_s, 1)}
     if baseline:
         out["stream_vs_baseline"] = round(best["streamed"][0] / best["baseline_in_memory"][0], 2)
+        out["stream_1_worker_vs_baseline"] = round(best["streamed_1_worker"][0] / best["baseline_in_memory"][0], 2)
     return out
 
 
