@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from omni.atomic import write_directory, write_text
 from omni.data.pair_loader import PairImages, chunks, pair_loader
+from omni.data.preferences import uint8_to_batch
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +189,7 @@ def _encode_chunk(items, encoder, max_sequence_length: int) -> Tuple[Dict[str, t
     valid = np.array([not isinstance(item, str) for item in items])
     if not good:
         raise ValueError("a chunk of pairs without any readable image; run with fewer bad rows")
-    images = lambda side: torch.stack([item[side] for item in good]).float().div(255.0)  # noqa: E731
+    images = lambda side: uint8_to_batch(torch.stack([item[side] for item in good]))  # noqa: E731
     tensors = {"chosen": encoder.encode_images(images(1)), "rejected": encoder.encode_images(images(2))}
     cond = encoder.encode_prompts([item[0] for item in good], 1.0, max_sequence_length)
     tensors.update({f"cond_{name}": value for name, value in cond.tensors().items()})

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from omni.data.pair_sources import PairSource, bad_row_message
-from omni.data.preferences import BadRow, decode_row, images_to_uint8
+from omni.data.preferences import BadRow, decode_row, images_to_uint8, uint8_to_batch
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,8 @@ class PairImages(Dataset):
         return len(self.positions)
 
     def _decode(self, row: int, values):
-        """(prompt, uint8 chosen, uint8 rejected), or why the pair is unreadable (skipping)."""
+        """(prompt, chosen, rejected) with uint8 (R, R, 3) images, or why the pair is
+        unreadable (when skipping)."""
         try:
             if isinstance(values, BadRow):
                 raise values
@@ -118,8 +119,8 @@ def collate_pairs(items: list) -> DecodedPairs:
     dropped = [item for item in items if isinstance(item, str)]
     if not good:
         return DecodedPairs([], None, None, dropped, kept)
-    # uint8 -> /255 in float32, exactly as `images_to_tensor` computes it
-    stack = lambda side: torch.stack([item[side] for item in good]).float().div(255.0)  # noqa: E731
+    # the numbers and memory layout `images_to_tensor` gives
+    stack = lambda side: uint8_to_batch(torch.stack([item[side] for item in good]))  # noqa: E731
     return DecodedPairs([item[0] for item in good], stack(1), stack(2), dropped, kept)
 
 

@@ -152,14 +152,21 @@ def _resize_and_center_crop(image: Image.Image, resolution: int) -> Image.Image:
 
 
 def images_to_uint8(images: Sequence[Image.Image], resolution: int) -> torch.Tensor:
-    """PIL images -> a uint8 batch (B, 3, resolution, resolution), resized and centre-cropped."""
+    """PIL images -> uint8 pixels (B, resolution, resolution, 3), resized and centre-cropped."""
     if not images:
         raise ValueError("images_to_tensor needs at least one image")
     arrays = [np.asarray(_resize_and_center_crop(im.convert("RGB"), resolution), dtype=np.uint8) for im in images]
-    return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2)
+    return torch.from_numpy(np.stack(arrays))
+
+
+def uint8_to_batch(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels (B, H, W, 3) -> float32 (B, 3, H, W) in [0, 1]. The batch stays
+    channels-last in memory: the CPU's convolutions take it fastest, and the VAE's numbers
+    depend (by rounding) on the layout, so every path hands it the same one."""
+    return pixels.permute(0, 3, 1, 2).float().div(255.0)
 
 
 def images_to_tensor(images: Sequence[Image.Image], resolution: int) -> torch.Tensor:
     """PIL images -> a float32 batch (B, 3, resolution, resolution) in [0, 1]
     (map to [-1, 1] with 2x - 1 before a VAE that expects it)."""
-    return images_to_uint8(images, resolution).float().div(255.0)
+    return uint8_to_batch(images_to_uint8(images, resolution))
