@@ -3,7 +3,8 @@ evaluation on held-out prompts and seeds, logging and checkpoints.
 
 Everything random is a function of (seed, step): the prompts of a step, the seeds of its
 images, the SDE window and the update's shuffling. A resumed run therefore needs only the
-step, the LoRA and the optimizer state to continue exactly.
+step, the LoRA, the optimizer state and the algorithm's own state (offline DPO's data
+position) to continue exactly.
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ class Trainer:
         """The exported LoRA is the EMA when there is one; the trained LoRA, which training
         continues from, then goes into the trainer state."""
         config_yaml = OmegaConf.to_yaml(OmegaConf.structured(self.cfg))
-        state = {"optimizer": self.worker.optimizer_state_dict(), "rng": checkpoint.rng_state(), "config": config_yaml}
+        state = {"optimizer": self.worker.optimizer_state_dict(), "rng": checkpoint.rng_state(), "config": config_yaml,
+                 "algorithm": self.algorithm.state_dict()}
         lora = self.worker.lora_state_dict()
         if self.ema is not None:
             state["trained_lora"], lora = lora, self.ema.weights(lora)
@@ -194,9 +196,11 @@ class Trainer:
         self.worker.load_state(lora, state["optimizer"])
         checkpoint.set_rng_state(state["rng"])
         self.start_step = state["step"]
+        self.algorithm.load_state_dict(state.get("algorithm", {}), self.start_step)
 
     def cleanup(self) -> None:
         """Close what `setup` opened, also after a set-up that failed half-way."""
+        self.algorithm.close()
         if self.ctx.logger is not None:
             self.ctx.logger.close()
         if self.worker is not None:

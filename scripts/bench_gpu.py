@@ -27,7 +27,6 @@ import json
 import sys
 import time
 from importlib import resources
-from pathlib import Path
 
 import torch
 

@@ -93,7 +93,7 @@ def bench_epoch(trainer: Trainer, repeats: int) -> dict:
 
 
 def bench_dpo(out_dir: str, repeats: int, overrides=()) -> dict:
-    from omni.data.preferences import write_synthetic_pairs
+    from omni.data.synthetic_pairs import write_synthetic_pairs
 
     pairs = write_synthetic_pairs(Path(out_dir) / "pairs", n_pairs=40, resolution=64, seed=0)
     trainer = make_trainer(out_dir, *overrides, "algorithm=dpo", "data=pairs", f"data.pairs={pairs}", "trainer.batch_size=16")

@@ -1,14 +1,17 @@
-"""Write a small synthetic preference set (pairs.jsonl + PNGs) where the chosen image is the brighter.
+"""Write a synthetic preference set where the chosen image is the brighter.
 
     python scripts/make_preference_pairs.py /tmp/prefs --n-pairs 64 --resolution 64 --seed 0
+    python scripts/make_preference_pairs.py /tmp/prefs-20k --n-pairs 20000 --layout parquet
 
-Prompts come from omni's colors_train set; the same seed always writes the same files. The
-printed path is the JSONL file to give the DPO recipe as its preference data.
+Prompts come from omni's colors_train set; the same seed always writes the same pairs. The
+"jsonl" layout writes PNG files and pairs.jsonl; "parquet" writes shards with the PNG bytes
+embedded (as Pick-a-Pic stores its images). The printed path is what to give the DPO recipe
+as data.pairs.
 """
 
 import argparse
 
-from omni.data.preferences import write_synthetic_pairs
+from omni.data.synthetic_pairs import write_synthetic_pairs
 
 
 def main() -> None:
@@ -17,8 +20,10 @@ def main() -> None:
     parser.add_argument("--n-pairs", type=int, default=64)
     parser.add_argument("--resolution", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layout", choices=["jsonl", "parquet"], default="jsonl")
+    parser.add_argument("--shard-size", type=int, default=5000, help="rows per parquet shard")
     args = parser.parse_args()
-    print(write_synthetic_pairs(args.out_dir, args.n_pairs, args.resolution, args.seed))
+    print(write_synthetic_pairs(args.out_dir, args.n_pairs, args.resolution, args.seed, layout=args.layout, shard_size=args.shard_size))
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def tiny_flux_dir(tiny_cache) -> Path:
 @pytest.fixture(scope="session")
 def synthetic_pairs(tmp_path_factory) -> Path:
     """A small synthetic preference set (the chosen image is the brighter one)."""
-    from omni.data.preferences import write_synthetic_pairs
+    from omni.data.synthetic_pairs import write_synthetic_pairs
 
     return write_synthetic_pairs(tmp_path_factory.mktemp("pairs"), n_pairs=48, resolution=64, seed=0)
 

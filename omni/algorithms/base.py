@@ -3,8 +3,9 @@
 An algorithm lives in `omni/algorithms/<name>.py` (`algorithm.name`) and defines
 `ALGORITHM`, an `Algorithm` subclass. The driver side: `check_config` (cross-group rules,
 before any model loads), the constructor (reads its data, before any model loads), `setup`
-(once the worker exists), `step` (one training step -> metrics) and `evaluate` (held-out
-metrics of its own). The worker side: module-level functions `update(worker, batch, seed,
+(once the worker exists), `step` (one training step -> metrics), `evaluate` (held-out
+metrics of its own), `state_dict` / `load_state_dict` (what a checkpoint keeps, such as a
+data position) and `close`. The worker side: module-level functions `update(worker, batch, seed,
 first, total)` that the worker runs on its shard of a batch with its primitives (velocity
 under the policy or the reference, backward, optimizer step); a Ray group ships the
 function to every worker, so adding an algorithm adds no worker method.
@@ -40,6 +41,16 @@ class Algorithm:
     def evaluate(self) -> Dict[str, float]:
         """Held-out metrics beyond the reward (e.g. DPO's implicit accuracy)."""
         return {}
+
+    def state_dict(self) -> Dict[str, object]:
+        """What a checkpoint keeps of the algorithm beyond the step (e.g. its data position)."""
+        return {}
+
+    def load_state_dict(self, state: Dict[str, object], step: int) -> None:
+        """Restore `state_dict()` when resuming at `step` (empty for an older checkpoint)."""
+
+    def close(self) -> None:
+        """Release what `setup` opened (data loader workers)."""
 
 
 @dataclass

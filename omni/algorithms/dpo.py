@@ -33,26 +33,22 @@ The -beta/2 scaling matches the Diffusion-DPO authors' training script, so their
 
 from __future__ import annotations
 
+import glob
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from omni.algorithms.base import Algorithm
+from omni.algorithms.dpo_pairs import PairBatch, PairData, split_digest
 from omni.config.algorithm import SigmaSampling
 from omni.config.errors import require
 from omni.context import update_seed
-from omni.data.preferences import PreferencePair, images_to_tensor, load_preference_pairs
-from omni.data.prompts import items_for_step
-from omni.models.base import Conditioning
 
 SIGMA_MODES = tuple(mode.value for mode in SigmaSampling)
-ENCODE_CHUNK = 32
 SIGMA_EPS = 1e-5  # keeps sigmas strictly inside (0, 1): sigma = 0 or 1 is a degenerate noise level
 
 
@@ -151,21 +147,6 @@ def diffusion_dpo_loss(
 
 
 # ----------------------------------------------------------------- the update, on a worker
-@dataclass
-class PairBatch:
-    """Latents of chosen and rejected images and their prompts' conditioning, row-aligned."""
-
-    x0_chosen: torch.Tensor
-    x0_rejected: torch.Tensor
-    cond: Conditioning
-
-    def __len__(self) -> int:
-        return len(self.x0_chosen)
-
-    def select(self, rows) -> "PairBatch":
-        return PairBatch(self.x0_chosen[rows].clone(), self.x0_rejected[rows].clone(), self.cond.apply(lambda t: t[rows].clone()))
-
-
 def pair_outputs(worker, pairs: PairBatch, sigmas: torch.Tensor, noise: torch.Tensor) -> Dict[str, torch.Tensor]:
     """Diffusion-DPO loss and metrics for pairs sharing noise level and noise."""
     n = len(pairs)
@@ -213,67 +194,93 @@ def evaluate(worker, pairs: PairBatch, seed: int) -> Dict[str, float]:
 
 
 # ----------------------------------------------------------------- the step, on the driver
-def split_pairs(pairs: List[PreferencePair], eval_fraction: float, seed: int):
-    """A seeded split into (train, held-out) pairs; at least one pair on each side."""
-    order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed)).tolist()
-    n_eval = min(max(1, round(len(pairs) * eval_fraction)), len(pairs) - 1) if eval_fraction > 0 else 0
-    return [pairs[i] for i in order[n_eval:]], [pairs[i] for i in order[:n_eval]]
-
-
-def encode_pairs(pairs: List[PreferencePair], worker, options, progress: bool) -> PairBatch:
-    """Latents of the chosen and rejected images and the prompts' conditioning, on the CPU."""
-    chosen, rejected, conds = [], [], []
-    chunks = range(0, len(pairs), ENCODE_CHUNK)
-    for start in tqdm(chunks, desc="encoding pairs", disable=not progress or len(chunks) < 2):
-        chunk = pairs[start : start + ENCODE_CHUNK]
-        chosen.append(worker.encode_images(images_to_tensor([p.chosen for p in chunk], options.resolution)))
-        rejected.append(worker.encode_images(images_to_tensor([p.rejected for p in chunk], options.resolution)))
-        conds.append(worker.encode_prompts([p.prompt for p in chunk], 1.0, options.max_sequence_length))
-    return PairBatch(torch.cat(chosen), torch.cat(rejected), type(conds[0]).cat(conds))
+def mean_over_chunks(parts) -> Dict[str, float]:
+    """Metrics of several chunks of pairs, each weighted by its number of pairs."""
+    total = sum(n for n, _ in parts)
+    return {key: sum(n * metrics[key] for n, metrics in parts) / total for key in parts[0][1]}
 
 
 class OfflineDPO(Algorithm):
     @classmethod
     def check_config(cls, cfg) -> None:
         check_dpo(cfg.algorithm)
-        pairs = cfg.data.pairs
+        data = cfg.data
         require(
-            pairs is not None,
+            data.pairs is not None,
             "algorithm=dpo learns from preference pairs: choose data=pairs and set data.pairs=/path/to/pairs.jsonl "
             "(python scripts/make_preference_pairs.py DIR writes a small synthetic set)",
         )
-        require(Path(pairs).expanduser().exists(), f"data.pairs={pairs}: no such file or directory")
-        fraction = cfg.data.pairs_eval_fraction
+        pairs = data.pairs
+        require(glob.has_magic(pairs) or Path(pairs).expanduser().exists(), f"data.pairs={pairs}: no such file or directory")
+        cache = data.latent_cache
+        require(not cache or not Path(cache).expanduser().is_file(), f"data.latent_cache={cache}: a file, expected a directory")
+        fraction = data.pairs_eval_fraction
         require(0 <= fraction < 1, f"data.pairs_eval_fraction={fraction}: expected a share in [0, 1)")
+        require(data.num_workers >= 0, f"data.num_workers={data.num_workers}: expected 0 (decode in the driver) or more")
 
     def __init__(self, ctx):
-        """Reads and checks the pairs (before any model loads)."""
+        """Reads and checks the pairs, or the latent cache's manifest (before any model loads)."""
         super().__init__(ctx)
-        data = self.cfg.data
-        pairs, stats = load_preference_pairs(data.pairs, "data.pairs", skip_bad_rows=data.skip_bad_rows)
-        self.data_stats = {f"data/{k}": float(v) for k, v in stats.items()}
-        self.split = split_pairs(pairs, data.pairs_eval_fraction, self.cfg.seed)
+        self.data = PairData(self.cfg)
+        self.consumed = 0  # the data position: training pairs taken so far
+        self.batches = None  # the provider's iterator, opened at the first step
 
     def setup(self) -> None:
-        """Encodes the pairs once with the worker's VAE and text encoders."""
-        train, held_out = self.split
-        worker, options, progress = self.ctx.worker, self.ctx.sampling_options(), self.cfg.trainer.progress_bar
-        self.train_pairs = encode_pairs(train, worker, options, progress)
-        self.eval_pairs = encode_pairs(held_out, worker, options, progress) if held_out else None
+        """Opens the pairs' provider (building the latent cache first if it is missing)."""
+        self.provider = self.data.provider(self.ctx.worker, self.ctx.sampling_options(), self.cfg.trainer.progress_bar)
+
+    @property
+    def data_stats(self) -> Dict[str, float]:
+        stats = {f"data/{k}": float(v) for k, v in self.data.stats.items()}
+        stats["data/skipped_bad"] += self.provider.dropped
+        return stats
 
     def step(self, step: int) -> Dict[str, float]:
         cfg, worker = self.cfg, self.ctx.worker
         tick = time.perf_counter()
-        index = torch.tensor(items_for_step(list(range(len(self.train_pairs))), step, cfg.trainer.batch_size, cfg.seed))
-        metrics = worker.train(update, self.train_pairs.select(index), update_seed(cfg.seed, step))
-        timings = {"time/update": time.perf_counter() - tick, "time/sync": worker.sync_weights()["sync/seconds"]}
+        if self.batches is None:
+            self.batches = self.provider.train_batches(self.consumed)
+        pairs = next(self.batches)
+        self.consumed += cfg.trainer.batch_size
+        if pairs is None:
+            raise ValueError(f"no pair of training step {step + 1} could be decoded (data.pairs={cfg.data.pairs})")
+        data_s, tick = time.perf_counter() - tick, time.perf_counter()
+        metrics = worker.train(update, pairs, update_seed(cfg.seed, step))
+        timings = {"time/data": data_s, "time/update": time.perf_counter() - tick, "time/sync": worker.sync_weights()["sync/seconds"]}
         return {**{f"train/{k}": v for k, v in metrics.items()}, **timings, **self.data_stats}
 
     def evaluate(self) -> Dict[str, float]:
-        if self.eval_pairs is None:
+        if not len(self.data.held_out):
             return {}
-        metrics = self.ctx.worker.evaluate(evaluate, self.eval_pairs, self.cfg.trainer.eval_seed)
+        parts = []
+        for chunk, pairs in enumerate(self.provider.eval_batches()):
+            if pairs is not None:  # the first chunk draws the noise a single batch did
+                seed = self.cfg.trainer.eval_seed + chunk * 1_000_000_007
+                parts.append((len(pairs), self.ctx.worker.evaluate(evaluate, pairs, seed)))
+        if not parts:  # every held-out pair was unreadable (and skipped)
+            return {}
+        metrics = mean_over_chunks(parts)
         return {f"eval/{k}": v for k, v in metrics.items() if k in ("loss", "implicit_accuracy", "reward_margin")}
+
+    def state_dict(self) -> Dict[str, object]:
+        return {"pairs_consumed": self.consumed, "train_pairs": len(self.data.train), "split": split_digest(self.data.train)}
+
+    def load_state_dict(self, state: Dict[str, object], step: int) -> None:
+        """Continue after the pairs the checkpoint had consumed, on the same split of the same data."""
+        if not state:  # a checkpoint from before the data position was saved: constant batches
+            self.consumed = step * self.cfg.trainer.batch_size
+            return
+        here = {"train_pairs": len(self.data.train), "split": split_digest(self.data.train)}
+        if {k: state.get(k) for k in here} != here:
+            raise ValueError(
+                f"trainer.resume: the checkpoint trained on {state.get('train_pairs')} pairs (split {state.get('split')}), "
+                f"this run's data.pairs={self.cfg.data.pairs} gives {here['train_pairs']} (split {here['split']}): "
+                "resume with the same data, data.skip_bad_rows, data.pairs_eval_fraction and seed"
+            )
+        self.consumed, self.batches = int(state["pairs_consumed"]), None
+
+    def close(self) -> None:
+        self.batches = None  # stops the DataLoader's workers
 
 
 def check_dpo(algo) -> None:

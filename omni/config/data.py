@@ -13,8 +13,14 @@ class DataConfig:
     train: str = MISSING
     # Held-out prompts for evaluation; None: the train prompts.
     eval: Optional[str] = None
-    # Preference pairs for offline DPO.
+    # Preference pairs for offline DPO: a JSONL or parquet file, a folder or glob of them
+    # (shards), or a `datasets` save_to_disk directory; read lazily, never all in memory.
     pairs: Optional[str] = None
+    # Processes decoding the pairs' images (0: in the driver, between steps).
+    num_workers: int = 0
+    # A directory of VAE latents and text embeddings of the pairs, built once (on the first
+    # run, or by scripts/cache_latents.py) and memory-mapped after; None: encode every step.
+    latent_cache: Optional[str] = None
     # Skip (and count in the log) pairs with a bad row instead of stopping at the first.
     skip_bad_rows: bool = False
     # Share of the pairs held out to measure implicit accuracy.

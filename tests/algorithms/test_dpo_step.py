@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from omni.config.validate import validate
-from omni.algorithms.dpo import split_pairs
+from omni.data.pair_loader import split_positions
 from omni.algorithms.online_dpo import best_and_worst
 from omni.trainer import Trainer
 from tests.conftest import compose_config
@@ -34,9 +34,10 @@ def test_loss_is_log2_at_init(offline_trainer):
 
 def test_a_few_steps_beat_chance_on_held_out_pairs(offline_trainer):
     algorithm = offline_trainer.algorithm
-    assert len(algorithm.eval_pairs) >= 8
+    assert len(algorithm.data.held_out) >= 8
     for step in range(6):
         algorithm.step(step)
+    assert algorithm.state_dict()["pairs_consumed"] == 6 * 16  # the data position a checkpoint keeps
     metrics = algorithm.evaluate()
     assert metrics["eval/implicit_accuracy"] > 0.5
     assert metrics["eval/loss"] < math.log(2)
@@ -50,7 +51,20 @@ def test_best_and_worst_skip_ties():
 
 
 def test_split_is_seeded_and_disjoint():
-    pairs = list(range(10))
-    train, held = split_pairs(pairs, 0.2, seed=0)
-    assert len(held) == 2 and sorted(train + held) == pairs
-    assert split_pairs(pairs, 0.2, seed=0) == (train, held)
+    train, held = split_positions(10, 0.2, seed=0)
+    assert len(held) == 2 and sorted([*train, *held]) == list(range(10))
+    again = split_positions(10, 0.2, seed=0)
+    assert (again[0] == train).all() and (again[1] == held).all()
+    assert (split_positions(10, 0.2, seed=1)[1] != held).any()
+
+
+def test_data_position_is_saved_and_checked(offline_trainer):
+    algorithm = offline_trainer.algorithm
+    state = algorithm.state_dict()
+    assert state["pairs_consumed"] == 0 and state["train_pairs"] == len(algorithm.data.train)
+    algorithm.load_state_dict({**state, "pairs_consumed": 48}, step=3)
+    assert algorithm.consumed == 48 and algorithm.batches is None  # the next step reads from pair 48 on
+    algorithm.load_state_dict({}, step=2)  # a checkpoint from before the position was saved
+    assert algorithm.consumed == 32
+    with pytest.raises(ValueError, match="the checkpoint trained on 30 pairs.*same data"):
+        algorithm.load_state_dict({**state, "train_pairs": 30}, step=1)

@@ -48,6 +48,9 @@ BAD = [
     (["trainer.n_workers=2", "trainer.device=cuda"], "trainer.n_gpus_per_node"),
     (["trainer.n_gpus_per_node=1", "trainer.device=cpu"], "trainer.device=cpu"),
     (["trainer.ray_address=auto"], "trainer.ray_address"),
+    (["algorithm=dpo", "data=pairs", "data.pairs=/nonexistent/pairs.jsonl"], "data.pairs=/nonexistent/pairs.jsonl"),
+    (["algorithm=dpo", "data=pairs", "data.pairs=/tmp", "data.num_workers=-1"], "data.num_workers=-1"),
+    (["algorithm=dpo", "data=pairs", "data.pairs=/tmp", "data.latent_cache=/etc/passwd"], "data.latent_cache=/etc/passwd"),
 ]
 
 

@@ -11,7 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
-from omni.data.preferences import PreferencePair, images_to_tensor, load_preference_pairs, write_synthetic_pairs
+from omni.data.pair_sources import load_preference_pairs
+from omni.data.preferences import PreferencePair, images_to_tensor
+from omni.data.synthetic_pairs import write_synthetic_pairs
 from omni.data.prompts import load_prompts
 
 HAS_PYARROW = importlib.util.find_spec("pyarrow") is not None

@@ -1,5 +1,6 @@
 """The real CLI with DPO on the tiny model: online DPO raises the held-out reward, resume
-is exact, and a bad preference row stops the run before any model loads."""
+is exact (streamed, with decoding workers, and from the latent cache), and a bad preference
+row stops the run before any model loads."""
 
 import json
 
@@ -20,16 +21,39 @@ def test_online_dpo_raises_held_out_reward(tmp_path, tiny_cache):
         assert gain > 1e-3 and t_stat > 3, f"{run_dir.name}: mean gain {gain:.6f}, t={t_stat:.2f}"
 
 
+def _same_lora(a, b, step):
+    straight, resumed = final_lora(a, step), final_lora(b, step)
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
 @pytest.mark.slow
 def test_offline_dpo_resume_is_exact(tmp_path, tiny_cache, synthetic_pairs):
+    """The resumed half decodes in 2 worker processes: the data position in the checkpoint
+    and the loader's order give it the very pairs the straight run took."""
     common = ["algorithm=dpo", "data=pairs", f"data.pairs={synthetic_pairs}", "trainer.batch_size=8"]
     train(tmp_path / "straight", tiny_cache, *common, "trainer.steps=4")
     train(tmp_path / "resumed", tiny_cache, *common, "trainer.steps=2")
-    out = train(tmp_path / "resumed", tiny_cache, *common, "trainer.steps=4", "trainer.resume=auto")
+    state = torch.load(tmp_path / "resumed" / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=False)
+    assert state["algorithm"]["pairs_consumed"] == 16
+    out = train(tmp_path / "resumed", tiny_cache, *common, "trainer.steps=4", "trainer.resume=auto", "data.num_workers=2")
     assert "eval/implicit_accuracy" in out.stdout
-    straight, resumed = final_lora(tmp_path / "straight", 4), final_lora(tmp_path / "resumed", 4)
-    assert straight.keys() == resumed.keys()
-    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    _same_lora(tmp_path / "straight", tmp_path / "resumed", 4)
+
+
+@pytest.mark.slow
+def test_offline_dpo_from_the_latent_cache_resumes_exactly(tmp_path, tiny_cache, synthetic_pairs):
+    """The first run builds the cache; the others memory-map it, and one on other data is refused."""
+    cache = tmp_path / "latents"
+    common = ["algorithm=dpo", "data=pairs", f"data.pairs={synthetic_pairs}", "trainer.batch_size=8", f"data.latent_cache={cache}"]
+    train(tmp_path / "straight", tiny_cache, *common, "trainer.steps=4")
+    assert (cache / "manifest.json").is_file()
+    train(tmp_path / "resumed", tiny_cache, *common, "trainer.steps=2")
+    train(tmp_path / "resumed", tiny_cache, *common, "trainer.steps=4", "trainer.resume=auto")
+    _same_lora(tmp_path / "straight", tmp_path / "resumed", 4)
+    refused = train(tmp_path / "other", tiny_cache, *common, "rollout.resolution=32", check=False)
+    assert refused.returncode != 0 and "made with rollout.resolution=64, this run has rollout.resolution=32" in refused.stderr
+    assert "Loading pipeline components" not in refused.stdout + refused.stderr
 
 
 @pytest.mark.slow

@@ -1,0 +1,117 @@
+"""A synthetic preference set in which the chosen image is always the brighter one, for tests,
+tiny end-to-end runs and the data benchmark (`scripts/make_preference_pairs.py`).
+
+Two layouts of the same pairs: PNG files under images/ with `pairs.jsonl` naming them, or
+parquet shards with the PNG bytes embedded (`pairs-00000.parquet`, ...). The same arguments
+always write the same pairs; images are made a chunk at a time, so a large set needs little
+memory.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+CHUNK = 512  # pairs made at a time
+
+
+def _smooth(coarse: torch.Tensor, resolution: int) -> torch.Tensor:
+    """Coarse 4x4 colour grids upsampled to smooth RGB images in [0, 1]."""
+    return F.interpolate(coarse, size=(resolution, resolution), mode="bilinear", align_corners=False).clamp(0, 1)
+
+
+def _png(image: torch.Tensor) -> bytes:
+    pixels = (image.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _pairs(n_pairs: int, resolution: int, seed: int, prompts: Sequence[str]):
+    """(index, prompt, chosen PNG bytes, rejected PNG bytes) for each pair, in order."""
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(prompts), generator=generator).tolist() * math.ceil(n_pairs / len(prompts))
+    coarse_chosen = torch.rand(n_pairs, 3, 4, 4, generator=generator)
+    coarse_rejected = torch.rand(n_pairs, 3, 4, 4, generator=generator)
+    for start in range(0, n_pairs, CHUNK):
+        chosen = 0.5 + 0.5 * _smooth(coarse_chosen[start : start + CHUNK], resolution)
+        rejected = 0.5 * _smooth(coarse_rejected[start : start + CHUNK], resolution)
+        for offset in range(len(chosen)):
+            i = start + offset
+            yield i, prompts[order[i]], _png(chosen[offset]), _png(rejected[offset])
+
+
+def _write_jsonl(out_dir: Path, pairs) -> Path:
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    jsonl = out_dir / "pairs.jsonl"
+    with jsonl.open("w", encoding="utf-8") as lines:
+        for i, prompt, chosen, rejected in pairs:
+            names = {side: f"images/pair_{i:05d}_{side}.png" for side in ("chosen", "rejected")}
+            (out_dir / names["chosen"]).write_bytes(chosen)
+            (out_dir / names["rejected"]).write_bytes(rejected)
+            lines.write(json.dumps({"prompt": prompt, **names}) + "\n")
+    return jsonl
+
+
+def _write_parquet(out_dir: Path, pairs, shard_size: int, row_group_size: int) -> Path:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as error:
+        raise ImportError("writing parquet shards needs pyarrow: pip install pyarrow") from error
+    out_dir.mkdir(parents=True, exist_ok=True)
+    columns = {"prompt": [], "chosen": [], "rejected": []}
+    shard = 0
+
+    def flush():
+        nonlocal shard
+        pq.write_table(pa.table(columns), out_dir / f"pairs-{shard:05d}.parquet", row_group_size=row_group_size)
+        shard += 1
+        for values in columns.values():
+            values.clear()
+
+    for _, prompt, chosen, rejected in pairs:
+        for name, value in zip(columns, (prompt, chosen, rejected)):
+            columns[name].append(value)
+        if len(columns["prompt"]) == shard_size:
+            flush()
+    if columns["prompt"]:
+        flush()
+    return out_dir
+
+
+def write_synthetic_pairs(
+    out_dir: str | os.PathLike,
+    n_pairs: int,
+    resolution: int = 64,
+    seed: int = 0,
+    prompts: Optional[Sequence[str]] = None,
+    layout: str = "jsonl",
+    shard_size: int = 5000,
+    row_group_size: int = 64,
+) -> Path:
+    """Write `n_pairs` pairs and return what to give `data.pairs`: the JSONL file (layout
+    "jsonl") or the folder of parquet shards of `shard_size` rows (layout "parquet").
+
+    The chosen image has pixel values in [0.5, 1], the rejected one in [0, 0.5]. Prompts
+    default to the colors_train set, taken in a seeded order."""
+    if n_pairs < 1 or resolution < 1:
+        raise ValueError(f"n_pairs and resolution must be positive, got {n_pairs} and {resolution}")
+    if layout not in ("jsonl", "parquet"):
+        raise ValueError(f"layout must be 'jsonl' or 'parquet', got {layout!r}")
+    if prompts is None:
+        from omni.data.prompts import load_prompts
+
+        prompts = load_prompts("omni:colors_train")
+    pairs = _pairs(n_pairs, resolution, seed, prompts)
+    if layout == "jsonl":
+        return _write_jsonl(Path(out_dir), pairs)
+    return _write_parquet(Path(out_dir), pairs, shard_size, row_group_size)

@@ -1,0 +1,55 @@
+"""Build the latent cache of a preference set before training: VAE latents of every chosen
+and rejected image and the text embeddings of every prompt, in memory-mappable shards.
+
+    python scripts/cache_latents.py algorithm=dpo data=pairs data.pairs=/data/pick-a-pic data.latent_cache=/data/pap-cache
+    python recipes/train.py algorithm=dpo data=pairs data.pairs=/data/pick-a-pic data.latent_cache=/data/pap-cache
+
+Arguments are the training run's Hydra overrides: the cache is made for its model (VAE and
+text encoders), resolution, text length, dtype and data, and a run with other ones refuses
+it. An interrupted build continues after its last whole shard. Without this command, the
+first training run with data.latent_cache builds the cache itself.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+
+def run_config(overrides):
+    from hydra import compose, initialize_config_dir
+
+    from omni.config import register_configs
+    from omni.config.validate import validate
+
+    register_configs()
+    conf = str(Path(__file__).resolve().parents[1] / "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        return validate(compose("train", overrides=["output_dir=/tmp/cache-latents", *overrides]))
+
+
+def main(argv=None) -> None:
+    from omni.algorithms.dpo_pairs import PairData, model_dir
+    from omni.distributed import pick_device
+    from omni.models import get_family
+    from omni.rollout.diffusers_engine import load_diffusers_engine
+    from omni.workers.actor_rollout import torch_dtype
+
+    cfg = run_config(sys.argv[1:] if argv is None else argv)
+    if not cfg.data.latent_cache:
+        raise SystemExit("set data.latent_cache=DIR: the directory to write the cache to")
+    data = PairData(cfg)  # scans the pairs, or checks a complete cache against this run
+    if data.cache is not None:
+        print(f"data.latent_cache={cfg.data.latent_cache} is complete: {len(data.cache)} pairs")
+        return
+    device = pick_device(cfg.trainer.device, 0)
+    engine = load_diffusers_engine(get_family(cfg.model.family), model_dir(cfg.model), device,
+                                   torch_dtype(cfg.model.dtype, device), cfg.rollout.micro_batch_size, load_base=True)
+    tick = time.perf_counter()
+    data.ensure_cache(engine, cfg.rollout.resolution, cfg.model.max_sequence_length, progress=True)
+    print(f"data.latent_cache={cfg.data.latent_cache}: {len(data.cache)} pairs in {time.perf_counter() - tick:.1f} s ({data.stats})")
+
+
+if __name__ == "__main__":
+    main()
