@@ -21,7 +21,6 @@ like any real checkpoint. No hub access.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from dataclasses import dataclass
@@ -31,9 +30,17 @@ from typing import List, Sequence
 import numpy as np
 import torch
 
-from omni.atomic import write_directory
 from omni.models.base import Conditioning, ModelFamily
-from omni.models.tiny_parts import TINY_VAE_FACTOR, autoencoder_kl, clip_encoder, clip_tokenizer, t5_encoder, t5_tokenizer
+from omni.models.tiny_parts import (
+    TINY_VAE_FACTOR,
+    autoencoder_kl,
+    cached_checkpoint,
+    clip_encoder,
+    clip_tokenizer,
+    save_pipeline,
+    t5_encoder,
+    t5_tokenizer,
+)
 
 # Bump when the tiny architecture changes, so stale caches are not reused.
 TINY_BUILDER_VERSION = 2
@@ -85,17 +92,12 @@ def build_tiny_flux_pipeline(seed: int = 0, guidance_embeds: bool = True):
 
 def write_tiny_flux(out_dir: str | os.PathLike, seed: int = 0, guidance_embeds: bool = True) -> Path:
     """Build the tiny pipeline and save it to `out_dir` atomically (never half-written)."""
-    pipe = build_tiny_flux_pipeline(seed, guidance_embeds)
-    return write_directory(Path(out_dir), lambda tmp: pipe.save_pretrained(tmp, safe_serialization=True))
+    return save_pipeline(build_tiny_flux_pipeline(seed, guidance_embeds), out_dir)
 
 
 def tiny_flux_path(cache_dir: str | os.PathLike, seed: int = 0) -> Path:
     """Directory of the cached tiny (dev-like) pipeline for `seed`, built on first use."""
-    key = hashlib.sha1(f"flux-tiny-v{TINY_BUILDER_VERSION}-seed{seed}".encode()).hexdigest()[:10]
-    path = Path(cache_dir).expanduser() / f"flux_tiny-{key}"
-    if not (path / "model_index.json").exists():
-        write_tiny_flux(path, seed)
-    return path
+    return cached_checkpoint(cache_dir, "flux-tiny", TINY_BUILDER_VERSION, seed, lambda path: write_tiny_flux(path, seed))
 
 
 # ----------------------------------------------------------------- packed latents

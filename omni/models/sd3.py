@@ -11,7 +11,6 @@ tokenizer classes), built in memory from a seed, saved to a directory and then l
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +18,17 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from omni.atomic import write_directory
 from omni.models.base import Conditioning, ModelFamily
-from omni.models.tiny_parts import TINY_VAE_FACTOR, autoencoder_kl, clip_encoder, clip_tokenizer, t5_encoder, t5_tokenizer
+from omni.models.tiny_parts import (
+    TINY_VAE_FACTOR,
+    autoencoder_kl,
+    cached_checkpoint,
+    clip_encoder,
+    clip_tokenizer,
+    save_pipeline,
+    t5_encoder,
+    t5_tokenizer,
+)
 
 # Bump when the tiny architecture changes, so stale caches are not reused.
 TINY_BUILDER_VERSION = 4
@@ -75,17 +82,12 @@ def build_tiny_sd3_pipeline(seed: int = 0):
 
 def write_tiny_sd3(out_dir: str | os.PathLike, seed: int = 0) -> Path:
     """Build the tiny pipeline and save it to `out_dir` atomically (never half-written)."""
-    pipe = build_tiny_sd3_pipeline(seed)
-    return write_directory(Path(out_dir), lambda tmp: pipe.save_pretrained(tmp, safe_serialization=True))
+    return save_pipeline(build_tiny_sd3_pipeline(seed), out_dir)
 
 
 def tiny_sd3_path(cache_dir: str | os.PathLike, seed: int = 0) -> Path:
     """Directory of the cached tiny pipeline for `seed`, built on first use."""
-    key = hashlib.sha1(f"sd3-tiny-v{TINY_BUILDER_VERSION}-seed{seed}".encode()).hexdigest()[:10]
-    path = Path(cache_dir).expanduser() / f"sd3_tiny-{key}"
-    if not (path / "model_index.json").exists():
-        write_tiny_sd3(path, seed)
-    return path
+    return cached_checkpoint(cache_dir, "sd3-tiny", TINY_BUILDER_VERSION, seed, lambda path: write_tiny_sd3(path, seed))
 
 
 @dataclass

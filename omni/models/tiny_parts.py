@@ -8,7 +8,14 @@ sizes and assembles its pipeline from these parts.
 
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
+from typing import Callable
+
 import torch
+
+from omni.atomic import write_directory
 
 TINY_WORDS = (
     "a an the of in on with and photo painting picture of "
@@ -122,3 +129,19 @@ def autoencoder_kl(seed: int, latent_channels: int, shift_factor: float, scaling
     with torch.no_grad():
         vae.decoder.conv_out.weight.mul_(TINY_DECODER_GAIN)
     return vae
+
+
+def save_pipeline(pipe, out_dir: str | os.PathLike) -> Path:
+    """Save a built tiny pipeline to `out_dir` atomically (never half-written)."""
+    return write_directory(Path(out_dir), lambda tmp: pipe.save_pretrained(tmp, safe_serialization=True))
+
+
+def cached_checkpoint(cache_dir: str | os.PathLike, name: str, version: int, seed: int, write: Callable[[Path], Path]) -> Path:
+    """Directory of the cached tiny checkpoint `name` ("sd3-tiny", ...) for `seed`, written by
+    `write(path)` on first use. The builder `version` is part of the key, so a changed
+    builder never reuses an older build."""
+    key = hashlib.sha1(f"{name}-v{version}-seed{seed}".encode()).hexdigest()[:10]
+    path = Path(cache_dir).expanduser() / f"{name.replace('-', '_')}-{key}"
+    if not (path / "model_index.json").exists():
+        write(path)
+    return path
