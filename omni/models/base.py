@@ -52,6 +52,21 @@ class Conditioning:
         return cls(*(tensors.get(n) for n in cls.field_names()))
 
 
+@torch.no_grad()
+def vae_decode(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Latents in the transformer's scale (unpacked) -> images (B, 3, H, W) in [0, 1], fp32."""
+    latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+    images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+    return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+@torch.no_grad()
+def vae_encode(vae, images: torch.Tensor, device) -> torch.Tensor:
+    """Images in [0, 1] -> the VAE posterior's mode in the transformer's scale (unpacked), fp32 on the CPU."""
+    latents = vae.encode((images * 2 - 1).to(device, vae.dtype)).latent_dist.mode().float()
+    return ((latents - vae.config.shift_factor) * vae.config.scaling_factor).cpu()
+
+
 class ModelFamily:
     """One DiT architecture. Class attributes name its diffusers classes and defaults."""
 

@@ -30,7 +30,7 @@ from typing import List, Sequence
 import numpy as np
 import torch
 
-from omni.models.base import Conditioning, ModelFamily
+from omni.models.base import Conditioning, ModelFamily, vae_decode, vae_encode
 from omni.models.tiny_parts import (
     TINY_VAE_FACTOR,
     autoencoder_kl,
@@ -225,19 +225,11 @@ class FluxFamily(ModelFamily):
         )[0].float()
 
     def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:
-        vae = pipe.vae
-        with torch.no_grad():
-            latents = unpack(latents) / vae.config.scaling_factor + vae.config.shift_factor
-            images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return vae_decode(pipe.vae, unpack(latents))
 
-    @torch.no_grad()
     def encode_images(self, pipe, images: torch.Tensor, device) -> torch.Tensor:
         """Images in [0, 1] -> packed latents (the VAE posterior's mode), fp32 on the CPU."""
-        vae = pipe.vae
-        pixels = (images * 2 - 1).to(device, vae.dtype)
-        latents = vae.encode(pixels).latent_dist.mode().float()
-        return pack((latents - vae.config.shift_factor) * vae.config.scaling_factor).cpu()
+        return pack(vae_encode(pipe.vae, images, device))
 
 
 FAMILY = FluxFamily()

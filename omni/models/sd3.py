@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from omni.models.base import Conditioning, ModelFamily
+from omni.models.base import Conditioning, ModelFamily, vae_decode, vae_encode
 from omni.models.tiny_parts import (
     TINY_VAE_FACTOR,
     autoencoder_kl,
@@ -174,19 +174,11 @@ class SD3Family(ModelFamily):
         )[0].float()
 
     def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:
-        vae = pipe.vae
-        with torch.no_grad():
-            latents = latents / vae.config.scaling_factor + vae.config.shift_factor
-            images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return vae_decode(pipe.vae, latents)
 
-    @torch.no_grad()
     def encode_images(self, pipe, images: torch.Tensor, device) -> torch.Tensor:
         """Images in [0, 1] -> the transformer's latents (the VAE posterior's mode), fp32 on the CPU."""
-        vae = pipe.vae
-        pixels = (images * 2 - 1).to(device, vae.dtype)
-        latents = vae.encode(pixels).latent_dist.mode().float()
-        return ((latents - vae.config.shift_factor) * vae.config.scaling_factor).cpu()
+        return vae_encode(pipe.vae, images, device)
 
 
 FAMILY = SD3Family()
