@@ -1,4 +1,4 @@
-"""Schema of the `data` group: prompt sets (a text file, one prompt a line) and
+"""Schema of the `data` group: prompt sets (text, JSONL or CSV; see omni.data.prompts) and
 preference pairs (JSONL, parquet, a `datasets` directory, or Pick-a-Pic's layout)."""
 
 from dataclasses import dataclass
