@@ -10,9 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import time
+
 import torch
 
-from omni.rollout.base import SamplingOptions
+from omni.rewards.streaming import StreamedScores
+from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.sde import noisy_steps, sde_window
 
 
@@ -54,6 +57,35 @@ class StepContext:
             sde_steps=sde_steps,
             sde_type=rollout.sde_type.value,
         )
+
+    def sample_and_score(
+        self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions
+    ) -> Tuple[RolloutBatch, Dict[str, torch.Tensor], Dict[str, float]]:
+        """Sample the images of (prompt, seed) and score them: the batch, the scores ("reward"
+        and each component) and timings (time/rollout: sampling; time/reward: scoring;
+        time/reward_wait: how long the scores were waited for after sampling).
+
+        The reward scores the rollout in parts of `rollout.micro_batch_size` images per
+        worker. With `reward.overlap`, the parts are sampled in turn and each is scored while
+        the next is sampled; without, the whole rollout is sampled, then scored. Either way
+        the images are the same (each has its own seed) and so are the scores."""
+        cfg, tick = self.cfg, time.perf_counter()
+        part = cfg.rollout.micro_batch_size * cfg.trainer.n_workers
+        if not cfg.reward.overlap or len(prompts) <= part:
+            batch = self.worker.generate(prompts, seeds, options)
+            sampled = time.perf_counter()
+            scores = self.reward(batch.images, prompts, part)
+            done = time.perf_counter()
+            return batch, scores, {"time/rollout": sampled - tick, "time/reward": done - sampled, "time/reward_wait": done - sampled}
+        parts = []
+        with StreamedScores(self.reward, len(prompts)) as stream:
+            for start in range(0, len(prompts), part):
+                parts.append(self.worker.generate(prompts[start : start + part], seeds[start : start + part], options))
+                stream.add(parts[-1].images, prompts[start : start + part])
+            sampled = time.perf_counter()
+            scores = stream.result()
+        done = time.perf_counter()
+        return RolloutBatch.cat(parts), scores, {"time/rollout": sampled - tick, "time/reward": stream.busy_s, "time/reward_wait": done - sampled}
 
     def sde_window(self, step: int, size: int = 0, allowed: Optional[Sequence[int]] = None) -> Tuple[int, int]:
         """Step `step`'s SDE steps: all of them (size 0), or a window of `size` whose start

@@ -120,8 +120,7 @@ class Trainer:
         prompts = [p for p in self.ctx.eval_prompts for _ in range(n)]
         seeds = step_seeds(self.cfg.trainer.eval_seed, 0, len(prompts))
         with self.evaluated_weights():
-            batch = self.worker.generate(prompts, seeds, self.ctx.sampling_options())
-        scores = self.ctx.reward(batch.images, prompts)
+            _, scores, _ = self.ctx.sample_and_score(prompts, seeds, self.ctx.sampling_options())
         valid = self.ctx.reward.finite(scores, self.position)
         return {name: values[valid] for name, values in scores.items()}
 

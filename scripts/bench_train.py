@@ -1,6 +1,7 @@
 """Benchmark the tiny Flow-GRPO and DPO recipes on this machine; prints one JSON object.
 
     python scripts/bench_train.py [--repeats 5] [hydra overrides, e.g. model=flux_tiny]
+    python scripts/bench_train.py --reward-overlap [--repeats 3]
 
 - rollout: images/s of our engine (SDE steps with log-probs, trajectory kept) against the
   plain diffusers pipeline (`__call__`) on the same model, batch, steps and size;
@@ -8,6 +9,10 @@
 - epoch: seconds per Flow-GRPO step of 2 prompts x 4 images, 10 steps, 64 px
   (rollout + reward + update + weight sync);
 - dpo: seconds per preference pair of an offline DPO update.
+With --reward-overlap, only this: Flow-GRPO steps (8 images in 4 parts of 2) with a reward
+made as slow as the rollout (brightness after a sleep, as a remote judge would wait), with
+`reward.overlap` off and on: with it on, the step should take about the longer of rollout
+and reward, not their sum.
 Best of `repeats` timings after a warm-up, so other load on the machine inflates less.
 """
 
@@ -26,6 +31,8 @@ from omni.config import register_configs
 from omni.config.validate import validate
 from omni.algorithms import flow_grpo
 from omni.context import step_seeds
+from omni.rewards.base import Reward, RewardOptions
+from omni.rewards.brightness import brightness
 from omni.trainer import Trainer
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -103,12 +110,62 @@ def bench_dpo(out_dir: str, repeats: int, overrides=()) -> dict:
     return {"pairs_per_step": 16, "seconds_per_step": seconds, "seconds_per_pair": seconds / 16}
 
 
+class Delayed(Reward):
+    """Brightness after a sleep of `seconds` per image: a reward as slow as wanted, which,
+    like a reward server or a model on another device, leaves the interpreter free while it waits."""
+
+    def __init__(self, seconds: float):
+        super().__init__("delayed", RewardOptions())
+        self.seconds = seconds
+
+    def score(self, images, prompts):
+        time.sleep(self.seconds * len(images))
+        return brightness(images, prompts)
+
+
+def fastest_step(trainer: Trainer, counter, repeats: int):
+    """The seconds and metrics of the fastest of `repeats` training steps, after a warm-up."""
+    trainer.algorithm.step(next(counter))
+    timed = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        metrics = trainer.algorithm.step(next(counter))
+        timed.append((time.perf_counter() - start, metrics))
+    return min(timed, key=lambda pair: pair[0])
+
+
+def bench_reward_overlap(out_dir: str, repeats: int, overrides=()) -> dict:
+    settings = {"images": 8, "images_per_prompt": 4, "rollout.micro_batch_size": 2, "steps": 10, "resolution": 64}
+    trainer = make_trainer(out_dir, *overrides, "trainer.batch_size=8", "algorithm.group_size=4", "rollout.micro_batch_size=2")
+    options = trainer.ctx.sampling_options(trainer.ctx.sde_window(0))
+    rollout_s = best_time(lambda: trainer.worker.generate(["a red cat"] * 8, step_seeds(0, 0, 8), options), repeats)
+    trainer.ctx.reward.rewards = {"delayed": Delayed(rollout_s / 8)}  # as slow as the rollout
+    counter, result = iter(range(10_000)), {"settings": {**settings, "reward_seconds_per_image": rollout_s / 8}}
+    for overlap in (False, True):
+        trainer.cfg.reward.overlap = overlap
+        seconds, metrics = fastest_step(trainer, counter, repeats)
+        other = metrics["time/update"] + metrics["time/sync"]
+        result[f"overlap_{'on' if overlap else 'off'}"] = {
+            "seconds_per_step": seconds,
+            **{key: metrics[key] for key in ("time/rollout", "time/reward", "time/reward_wait", "time/update", "time/sync")},
+            "longer_of_rollout_and_reward_plus_update": max(metrics["time/rollout"], metrics["time/reward"]) + other,
+            "sum_of_rollout_and_reward_plus_update": metrics["time/rollout"] + metrics["time/reward"] + other,
+        }
+    trainer.cleanup()
+    result["ratio_on_over_off"] = result["overlap_on"]["seconds_per_step"] / result["overlap_off"]["seconds_per_step"]
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--reward-overlap", action="store_true", help="only the reward.overlap benchmark")
     args, overrides = parser.parse_known_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as out_dir:
+        if args.reward_overlap:
+            print(json.dumps({"torch_threads": torch.get_num_threads(), **bench_reward_overlap(out_dir, args.repeats, overrides)}, indent=2))
+            return
         trainer = make_trainer(out_dir, *overrides, "trainer.batch_size=8", "algorithm.group_size=4")
         result = {
             "torch_threads": torch.get_num_threads(),

@@ -13,7 +13,6 @@ function to every worker, so adding an algorithm adds no worker method.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
@@ -68,14 +67,12 @@ class ScoredRollout:
 
 
 def grouped_rollout(ctx: StepContext, step: int, group_size: int, sde_steps: Tuple[int, int]) -> ScoredRollout:
-    """Step `step`'s prompts, each sampled `group_size` times with the current policy, scored."""
+    """Step `step`'s prompts, each sampled `group_size` times with the current policy, scored
+    (while it is sampled, with `reward.overlap`)."""
     cfg = ctx.cfg
-    tick = time.perf_counter()
     prompts = items_for_step(ctx.train_prompts, step, cfg.trainer.batch_size // group_size, cfg.seed)
     prompts = [p for p in prompts for _ in range(group_size)]
-    batch = ctx.worker.generate(prompts, step_seeds(cfg.seed, step, len(prompts)), ctx.sampling_options(sde_steps))
-    rollout_s, tick = time.perf_counter() - tick, time.perf_counter()
-    scores = ctx.reward(batch.images, prompts)
+    batch, scores, timings = ctx.sample_and_score(prompts, step_seeds(cfg.seed, step, len(prompts)), ctx.sampling_options(sde_steps))
     valid = ctx.reward.finite(scores, f"training step {step + 1}")
     ctx.log_images(batch.images, step)
-    return ScoredRollout(prompts, batch, scores, valid, {"time/rollout": rollout_s, "time/reward": time.perf_counter() - tick})
+    return ScoredRollout(prompts, batch, scores, valid, timings)

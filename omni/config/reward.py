@@ -3,6 +3,7 @@
 `components` maps a reward's name (a module of omni/rewards/) to its options; each reward
 types its own options (`omni.rewards.base.RewardOptions` and subclasses: weight, batch
 size, device, ...), checked at validation. The reward of an image is the weighted sum.
+With `overlap`, a rollout is scored part by part while it is sampled (omni.rewards.streaming).
 """
 
 from dataclasses import dataclass
@@ -24,3 +25,7 @@ class RewardConfig:
     batch_size: int = 64
     # What a NaN or inf reward does.
     nonfinite: NonFinite = NonFinite.fail
+    # A rollout is scored in parts of rollout.micro_batch_size images per worker: with
+    # overlap, each part on a background thread while the next is sampled; without, after
+    # the whole rollout. The scores are the same either way.
+    overlap: bool = True

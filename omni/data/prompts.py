@@ -136,7 +136,8 @@ def csv_prompts(path: Path, refuse) -> List[Prompt]:
     column = next((i for i, name in enumerate(lowered) if name in PROMPT_COLUMNS), None)
     if column is None:
         where = f"{path}, line {numbers[-1] if numbers else 1}"
-        refuse(where, f"a CSV prompt file starts with a header naming its prompt column, one of {list(PROMPT_COLUMNS)} (any case); the header is {header}", skippable=False)
+        expected = f"a CSV prompt file starts with a header naming its prompt column, one of {list(PROMPT_COLUMNS)} (any case)"
+        refuse(where, f"{expected}; the header is {header}", skippable=False)
     prompts, start = [], len(numbers)
     while True:
         try:

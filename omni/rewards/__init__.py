@@ -4,7 +4,7 @@ each reported (`reward/<name>`)."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping
+from typing import Dict, List, Mapping, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -57,6 +57,16 @@ class WeightedReward:
         parts = [reward.score(images[s : s + size].float().cpu(), prompts[s : s + size]).float() for s in range(0, len(prompts), size)]
         return torch.cat(parts)
 
+    def component_scores(self, images: torch.Tensor, prompts: List[str]) -> Dict[str, torch.Tensor]:
+        """Each component's scores, from calls of at most its batch size."""
+        return {name: self._score(reward, images, prompts) for name, reward in self.rewards.items()}
+
+    def combine(self, parts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+        """The `component_scores` of consecutive parts as one, with their weighted sum as "reward"."""
+        scores = {name: torch.cat([part[name] for part in parts]) for name in self.rewards}
+        scores["reward"] = sum(reward.options.weight * scores[name] for name, reward in self.rewards.items())
+        return scores
+
     def finite(self, scores: Dict[str, torch.Tensor], where: str) -> torch.Tensor:
         """The images whose reward is finite. With nonfinite=fail, any other stops here with
         an error naming the components, `where` and how many images."""
@@ -70,8 +80,9 @@ class WeightedReward:
             )
         return valid
 
-    def __call__(self, images: torch.Tensor, prompts: List[str]) -> Dict[str, torch.Tensor]:
-        """Returns {"reward": total, <name>: component} with one value per image."""
-        scores = {name: self._score(reward, images, prompts) for name, reward in self.rewards.items()}
-        scores["reward"] = sum(reward.options.weight * scores[name] for name, reward in self.rewards.items())
-        return scores
+    def __call__(self, images: torch.Tensor, prompts: List[str], part: Optional[int] = None) -> Dict[str, torch.Tensor]:
+        """Returns {"reward": total, <name>: component} with one value per image. With `part`,
+        rows [0, part), [part, 2 part), ... are scored separately, as a rollout's parts are
+        (`omni.rewards.streaming`), so that a reward's batches are the same either way."""
+        part = part or max(len(prompts), 1)
+        return self.combine([self.component_scores(images[s : s + part], prompts[s : s + part]) for s in range(0, len(prompts), part)])
