@@ -16,7 +16,7 @@ from omni.rollout.vllm_engine import engine_unavailable
 from tests.conftest import CONF_DIR, compose_config
 
 GROUPS = ("model", "rollout", "algorithm", "reward", "data", "trainer", "logger")
-LOCAL_MODEL_REWARDS = ("pickscore", "clipscore", "aesthetic")  # tested on tiny CLIPs in tests/rewards
+LOCAL_MODEL_REWARDS = ("pickscore", "clipscore", "aesthetic", "hpsv2")  # tested on tiny CLIPs in tests/rewards
 # What a reward option needs from its user: prompts with its metadata, a server (contacted only at set-up).
 REWARD_NEEDS = {
     "ocr": ["data=ocr"],
