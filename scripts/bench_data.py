@@ -33,6 +33,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 THREADS = 1
+# The VAE's encoder, as a trained VAE encodes: the tiny model's decoder inversion
+# (model.vae_inversion_steps) stands in for it in learning demos, not in what is timed here.
+ENCODER = "model.vae_inversion_steps=0"
 
 
 def child(args) -> None:
@@ -42,7 +45,7 @@ def child(args) -> None:
     from omni.workers import build_actor_rollout
     from tests.conftest import compose_config
 
-    overrides = ["algorithm=dpo", "data=pairs", f"data.pairs={args.pairs}", "trainer.progress_bar=false",
+    overrides = ["algorithm=dpo", "data=pairs", f"data.pairs={args.pairs}", "trainer.progress_bar=false", ENCODER,
                  f"trainer.batch_size={args.batch_size}", f"model.cache_dir={args.model_cache}", *args.overrides]
     out_dir = tempfile.mkdtemp(prefix="bench-data-run-")
     cfg = validate(compose_config(overrides, out_dir))
@@ -98,10 +101,10 @@ def memory(work: Path, model_cache: str, sizes, steps: int) -> dict:
 def speed(work: Path, model_cache: str, n: int, batch_size: int, baseline, repeats: int) -> dict:
     pairs = make_pairs(work / f"speed-{n}", n, "jsonl")
     steps = n // batch_size  # one epoch: every pair encoded once on each path
-    common = ["data.pairs_eval_fraction=0"]
+    common = ["data.pairs_eval_fraction=0", ENCODER]
     cache = work / f"speed-{n}-latents"
     tick = time.perf_counter()
-    subprocess.run([sys.executable, str(REPO / "scripts" / "cache_latents.py"), "algorithm=dpo", "data=pairs",
+    subprocess.run([sys.executable, str(REPO / "scripts" / "cache_latents.py"), "algorithm=dpo", "data=pairs", ENCODER,
                     f"data.pairs={pairs}", f"data.latent_cache={cache}", f"model.cache_dir={model_cache}"],
                    cwd=REPO, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(THREADS)})
     build_s = time.perf_counter() - tick

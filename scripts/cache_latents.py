@@ -45,7 +45,8 @@ def main(argv=None) -> None:
         return
     device = pick_device(cfg.trainer.device, 0)
     engine = load_diffusers_engine(get_family(cfg.model.family), model_dir(cfg.model), device,
-                                   torch_dtype(cfg.model.dtype, device), cfg.rollout.micro_batch_size, load_base=True)
+                                   torch_dtype(cfg.model.dtype, device), cfg.rollout.micro_batch_size, load_base=True,
+                                   vae_inversion_steps=cfg.model.vae_inversion_steps)
     tick = time.perf_counter()
     data.ensure_cache(engine, cfg.rollout.resolution, cfg.model.max_sequence_length, progress=True)
     print(f"data.latent_cache={cfg.data.latent_cache}: {len(data.cache)} pairs in {time.perf_counter() - tick:.1f} s ({data.stats})")

@@ -34,6 +34,7 @@ The -beta/2 scaling matches the Diffusion-DPO authors' training script, so their
 from __future__ import annotations
 
 import glob
+import logging
 import math
 import time
 from pathlib import Path
@@ -47,6 +48,8 @@ from omni.algorithms.dpo_pairs import PairBatch, PairData, split_digest
 from omni.config.algorithm import SigmaSampling
 from omni.config.errors import require
 from omni.context import update_seed
+
+logger = logging.getLogger(__name__)
 
 SIGMA_MODES = tuple(mode.value for mode in SigmaSampling)
 SIGMA_EPS = 1e-5  # keeps sigmas strictly inside (0, 1): sigma = 0 or 1 is a degenerate noise level
@@ -222,6 +225,12 @@ class OfflineDPO(Algorithm):
         """Reads and checks the pairs, or the latent cache's manifest (before any model loads)."""
         super().__init__(ctx)
         self.data = PairData(self.cfg)
+        steps = self.cfg.model.vae_inversion_steps
+        if steps and not self.cfg.data.latent_cache:
+            logger.warning(
+                "model.vae_inversion_steps=%d: each pair's images are encoded by %d decoder passes every time the pair is "
+                "used; data.latent_cache=DIR encodes them once", steps, steps,
+            )
         self.consumed = 0  # the data position: training pairs taken so far
         self.batches = None  # the provider's iterator, opened at the first step
 

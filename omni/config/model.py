@@ -50,6 +50,10 @@ class ModelConfig:
     resolution: int = 512
     guidance_scale: float = 4.5
     max_sequence_length: int = 256
+    # Encode images (DPO's pairs) by this many Adam steps inverting the VAE's decoder instead
+    # of with its encoder: for a VAE whose encoder does not invert its decoder, as a tiny
+    # random one's does not. 0: the encoder (what a trained VAE is for).
+    vae_inversion_steps: int = 0
     # Recompute each transformer block's activations in the backward pass instead of keeping
     # them (python scripts/estimate_memory.py shows what it saves).
     gradient_checkpointing: bool = False

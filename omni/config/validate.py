@@ -59,6 +59,7 @@ def check_model(model) -> ModelFamily:
     require(bool(model.lora.adapter_name), "model.lora.adapter_name must not be empty")
     require(len(model.lora.target_modules) > 0, "model.lora.target_modules is empty")
     require(model.fsdp.version in (0, 1, 2), f"model.fsdp.version={model.fsdp.version}: expected 0, 1 or 2")
+    require(model.vae_inversion_steps >= 0, f"model.vae_inversion_steps={model.vae_inversion_steps} must be >= 0 (0: the VAE's encoder)")
     check_lora_targets(model, family)
     return family
 

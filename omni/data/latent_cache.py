@@ -91,6 +91,7 @@ def cache_key(cfg, source, family, model_dir: Path) -> dict:
         "resolution": cfg.rollout.resolution,
         "max_sequence_length": cfg.model.max_sequence_length,
         "dtype": cfg.model.dtype,
+        "vae_inversion_steps": cfg.model.vae_inversion_steps,
         "data": data_files,
         "model": str(model_dir),  # for messages: which checkpoint the encoders came from
     }
@@ -102,6 +103,7 @@ KEY_NAMES = {
     "resolution": "rollout.resolution",
     "max_sequence_length": "model.max_sequence_length",
     "dtype": "model.dtype",
+    "vae_inversion_steps": "model.vae_inversion_steps",
 }
 
 

@@ -1,6 +1,11 @@
 """A synthetic preference set in which the chosen image is always the brighter one, for tests,
 tiny end-to-end runs and the data benchmark (`scripts/make_preference_pairs.py`).
 
+Each pair is one smooth random image made lighter (chosen) and darker (rejected) by the
+same amount, so brightness is the only difference a model can learn from. (Two unrelated
+images, one light and one dark, can be told apart by anything else they differ in, and a
+model trained on them learns to tell them apart rather than to make images brighter.)
+
 Two layouts of the same pairs: PNG files under images/ with `pairs.jsonl` naming them, or
 parquet shards with the PNG bytes embedded (`pairs-00000.parquet`, ...). The same arguments
 always write the same pairs; images are made a chunk at a time, so a large set needs little
@@ -21,6 +26,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 CHUNK = 512  # pairs made at a time
+BRIGHTNESS_GAP = 0.1  # added to every pixel of the chosen image, taken from the rejected one
 
 
 def _smooth(coarse: torch.Tensor, resolution: int) -> torch.Tensor:
@@ -39,14 +45,14 @@ def _pairs(n_pairs: int, resolution: int, seed: int, prompts: Sequence[str]):
     """(index, prompt, chosen PNG bytes, rejected PNG bytes) for each pair, in order."""
     generator = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(prompts), generator=generator).tolist() * math.ceil(n_pairs / len(prompts))
-    coarse_chosen = torch.rand(n_pairs, 3, 4, 4, generator=generator)
-    coarse_rejected = torch.rand(n_pairs, 3, 4, 4, generator=generator)
+    coarse = torch.rand(n_pairs, 3, 4, 4, generator=generator)
     for start in range(0, n_pairs, CHUNK):
-        chosen = 0.5 + 0.5 * _smooth(coarse_chosen[start : start + CHUNK], resolution)
-        rejected = 0.5 * _smooth(coarse_rejected[start : start + CHUNK], resolution)
-        for offset in range(len(chosen)):
+        # pixel values in [gap, 1 - gap], so neither side is clipped
+        image = BRIGHTNESS_GAP + (1 - 2 * BRIGHTNESS_GAP) * _smooth(coarse[start : start + CHUNK], resolution)
+        for offset in range(len(image)):
             i = start + offset
-            yield i, prompts[order[i]], _png(chosen[offset]), _png(rejected[offset])
+            chosen, rejected = image[offset] + BRIGHTNESS_GAP, image[offset] - BRIGHTNESS_GAP
+            yield i, prompts[order[i]], _png(chosen), _png(rejected)
 
 
 def _write_jsonl(out_dir: Path, pairs) -> Path:
@@ -101,8 +107,8 @@ def write_synthetic_pairs(
     """Write `n_pairs` pairs and return what to give `data.pairs`: the JSONL file (layout
     "jsonl") or the folder of parquet shards of `shard_size` rows (layout "parquet").
 
-    The chosen image has pixel values in [0.5, 1], the rejected one in [0, 0.5]. Prompts
-    default to the colors_train set, taken in a seeded order."""
+    Each chosen image is its rejected one with every pixel `2 * BRIGHTNESS_GAP` lighter.
+    Prompts default to the colors_train set, taken in a seeded order."""
     if n_pairs < 1 or resolution < 1:
         raise ValueError(f"n_pairs and resolution must be positive, got {n_pairs} and {resolution}")
     if layout not in ("jsonl", "parquet"):

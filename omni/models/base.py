@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -52,8 +53,7 @@ class Conditioning:
         return cls(*(tensors.get(n) for n in cls.field_names()))
 
 
-@torch.no_grad()
-def vae_decode(vae, latents: torch.Tensor) -> torch.Tensor:
+def vae_decode_differentiable(vae, latents: torch.Tensor) -> torch.Tensor:
     """Latents in the transformer's scale (unpacked) -> images (B, 3, H, W) in [0, 1], fp32."""
     latents = latents / vae.config.scaling_factor + vae.config.shift_factor
     images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
@@ -61,10 +61,54 @@ def vae_decode(vae, latents: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def vae_encode(vae, images: torch.Tensor, device) -> torch.Tensor:
-    """Images in [0, 1] -> the VAE posterior's mode in the transformer's scale (unpacked), fp32 on the CPU."""
-    latents = vae.encode((images * 2 - 1).to(device, vae.dtype)).latent_dist.mode().float()
+def vae_decode(vae, latents: torch.Tensor) -> torch.Tensor:
+    """`vae_decode_differentiable` without gradients."""
+    return vae_decode_differentiable(vae, latents)
+
+
+INVERSION_LR = 0.1  # Adam's step on the latents (transformer scale, about unit variance)
+
+
+def vae_encode(vae, images: torch.Tensor, device, inversion_steps: int = 0) -> torch.Tensor:
+    """Images in [0, 1] -> latents in the transformer's scale (unpacked), fp32 on the CPU:
+    the VAE posterior's mode or, with `inversion_steps`, the decoder's inversion."""
+    if inversion_steps:
+        return invert_decoder(vae, images, device, inversion_steps)
+    with torch.no_grad():
+        latents = vae.encode((images * 2 - 1).to(device, vae.dtype)).latent_dist.mode().float()
     return ((latents - vae.config.shift_factor) * vae.config.scaling_factor).cpu()
+
+
+def invert_decoder(vae, images: torch.Tensor, device, steps: int) -> torch.Tensor:
+    """The latents (transformer scale, fp32 on the CPU) whose decoding best matches `images`:
+    `steps` Adam steps on the mean squared pixel error, from zero latents (the prior's mean).
+
+    For a VAE whose encoder does not invert its decoder, such as a tiny random one: its
+    encoder's latents decode to images unrelated to the input, so training on them (DPO's
+    pairs) teaches the model nothing about how the images look. Deterministic for given
+    images, like the encoder."""
+    target = images.to(device, torch.float32)
+    latents = torch.zeros(len(images), vae.config.latent_channels, *_latent_size(vae, images), device=device, requires_grad=True)
+    optimizer = torch.optim.Adam([latents], lr=INVERSION_LR)
+    frozen = [p for p in vae.decoder.parameters() if p.requires_grad]
+    for parameter in frozen:
+        parameter.requires_grad_(False)
+    try:
+        with torch.enable_grad():
+            for _ in range(steps):
+                loss = F.mse_loss(vae_decode_differentiable(vae, latents), target)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+    finally:
+        for parameter in frozen:
+            parameter.requires_grad_(True)
+    return latents.detach().cpu()
+
+
+def _latent_size(vae, images: torch.Tensor) -> Tuple[int, int]:
+    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    return images.shape[-2] // factor, images.shape[-1] // factor
 
 
 class ModelFamily:
@@ -198,8 +242,9 @@ class ModelFamily:
         """Latents -> images (B, 3, H, W) in [0, 1]."""
         raise NotImplementedError
 
-    def encode_images(self, pipe, images: torch.Tensor, device) -> torch.Tensor:
-        """Images (B, 3, H, W) in [0, 1] -> latents in the transformer's layout, on the CPU."""
+    def encode_images(self, pipe, images: torch.Tensor, device, inversion_steps: int = 0) -> torch.Tensor:
+        """Images (B, 3, H, W) in [0, 1] -> latents in the transformer's layout, on the CPU
+        (the VAE's encoder, or `inversion_steps` of its decoder's inversion: `vae_encode`)."""
         raise NotImplementedError
 
     # ----------------------------------------------------------------- LoRA export

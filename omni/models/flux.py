@@ -227,9 +227,9 @@ class FluxFamily(ModelFamily):
     def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:
         return vae_decode(pipe.vae, unpack(latents))
 
-    def encode_images(self, pipe, images: torch.Tensor, device) -> torch.Tensor:
-        """Images in [0, 1] -> packed latents (the VAE posterior's mode), fp32 on the CPU."""
-        return pack(vae_encode(pipe.vae, images, device))
+    def encode_images(self, pipe, images: torch.Tensor, device, inversion_steps: int = 0) -> torch.Tensor:
+        """Images in [0, 1] -> packed latents, fp32 on the CPU."""
+        return pack(vae_encode(pipe.vae, images, device, inversion_steps))
 
 
 FAMILY = FluxFamily()

@@ -176,9 +176,9 @@ class SD3Family(ModelFamily):
     def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:
         return vae_decode(pipe.vae, latents)
 
-    def encode_images(self, pipe, images: torch.Tensor, device) -> torch.Tensor:
-        """Images in [0, 1] -> the transformer's latents (the VAE posterior's mode), fp32 on the CPU."""
-        return vae_encode(pipe.vae, images, device)
+    def encode_images(self, pipe, images: torch.Tensor, device, inversion_steps: int = 0) -> torch.Tensor:
+        """Images in [0, 1] -> the transformer's latents, fp32 on the CPU."""
+        return vae_encode(pipe.vae, images, device, inversion_steps)
 
 
 FAMILY = SD3Family()

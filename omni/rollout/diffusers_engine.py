@@ -36,10 +36,12 @@ class DiffusersEngine:
         has_base: bool = True,
         actor=None,
         offload_text_encoders: bool = False,
+        vae_inversion_steps: int = 0,
     ):
         """`actor`: the trained transformer to sample with (shared, not copied); None: the
         pipeline's own transformer, which syncs update. `offload_text_encoders`: see
-        `PromptCache`."""
+        `PromptCache`. `vae_inversion_steps`: images are encoded by inverting the decoder
+        (`omni.models.base.invert_decoder`) instead of with the VAE's encoder."""
         self.family = family
         self.prompts = PromptCache(family, pipe, device, offload_text_encoders)
         for name, component in pipe.components.items():
@@ -57,6 +59,7 @@ class DiffusersEngine:
         self.dtype = dtype
         self.device = device
         self.micro_batch_size = micro_batch_size
+        self.vae_inversion_steps = vae_inversion_steps
         self.has_base = has_base or self.shares_actor
         self.adapter_name: Optional[str] = None
 
@@ -84,8 +87,8 @@ class DiffusersEngine:
         return self.prompts.encode(prompts, guidance_scale, max_sequence_length).apply(lambda t: t.cpu())
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        """Images in [0, 1] -> the transformer's latents (the VAE posterior's mode)."""
-        return self.family.encode_images(self.pipe, images, self.device)
+        """Images in [0, 1] -> the transformer's latents."""
+        return self.family.encode_images(self.pipe, images, self.device, self.vae_inversion_steps)
 
     def update_weights(self, named_tensors: Dict[str, torch.Tensor], base_sync_done: bool, lora: Optional[LoraConfig]) -> None:
         """Base weights (base_sync_done False) or the LoRA of `lora.adapter_name`."""
@@ -132,17 +135,19 @@ def load_diffusers_engine(
     load_base: bool,
     actor=None,
     offload_text_encoders: bool = False,
+    vae_inversion_steps: int = 0,
 ) -> DiffusersEngine:
     """An engine on the checkpoint at `model_path`, sampling with `actor` when given (its
     own transformer is then never loaded); without `load_base`, its transformer is a dummy
     of the right shape that the first weight sync fills."""
     pipe = family.load_pipeline(model_path, dtype, load_base, without_transformer=actor is not None)
-    return DiffusersEngine(family, pipe, device, dtype, micro_batch_size, load_base, actor, offload_text_encoders)
+    return DiffusersEngine(family, pipe, device, dtype, micro_batch_size, load_base, actor, offload_text_encoders, vae_inversion_steps)
 
 
 def build(cfg, family: ModelFamily, model_path: str, device: torch.device, dtype: torch.dtype, actor=None) -> DiffusersEngine:
     """`rollout.engine=diffusers`."""
     rollout = cfg.rollout
     return load_diffusers_engine(
-        family, model_path, device, dtype, rollout.micro_batch_size, rollout.load_base, actor, rollout.offload_text_encoders
+        family, model_path, device, dtype, rollout.micro_batch_size, rollout.load_base, actor, rollout.offload_text_encoders,
+        cfg.model.vae_inversion_steps,
     )

@@ -50,7 +50,8 @@ def build(cfg, family: ModelFamily, model_path: str, device: torch.device, dtype
     """`rollout.engine=vllm`."""
     rollout = cfg.rollout
     return VllmEngine.start(
-        family, vllm_options(rollout.options), model_path, device, dtype, rollout.micro_batch_size, rollout.load_base, cfg.output_dir
+        family, vllm_options(rollout.options), model_path, device, dtype, rollout.micro_batch_size, rollout.load_base, cfg.output_dir,
+        cfg.model.vae_inversion_steps,
     )
 
 
@@ -139,7 +140,7 @@ class VllmEngine:
     @classmethod
     def start(
         cls, family: ModelFamily, options: VllmOptions, model_path: str, device: torch.device, dtype: torch.dtype,
-        micro_batch_size: int, load_base: bool, run_dir: Path,
+        micro_batch_size: int, load_base: bool, run_dir: Path, vae_inversion_steps: int = 0,
     ) -> "VllmEngine":
         """Attach to `options.url`, or start an engine process for `model_path`."""
         shared_dir = Path(options.shared_dir or Path(run_dir) / "vllm_engine") / f"worker-{os.getpid()}"
@@ -151,7 +152,7 @@ class VllmEngine:
         problem = engine_unavailable(options)
         if problem:
             raise RuntimeError(problem)
-        url, process = _launch(options, family.name, model_path, device, dtype, micro_batch_size, load_base, shared_dir)
+        url, process = _launch(options, family.name, model_path, device, dtype, micro_batch_size, load_base, shared_dir, vae_inversion_steps)
         return cls(options, family, url, shared_dir, process)
 
     # ----------------------------------------------------------------- rollout
@@ -203,7 +204,7 @@ class VllmEngine:
             self._last_sync = None
 
 
-def _launch(options, family: str, model_path, device, dtype, micro_batch_size, load_base, shared_dir: Path):
+def _launch(options, family: str, model_path, device, dtype, micro_batch_size, load_base, shared_dir: Path, vae_inversion_steps: int = 0):
     """Start `omni.rollout.vllm_server` with the engine env's python; wait until it answers."""
     from omni.distributed import free_port
 
@@ -212,6 +213,7 @@ def _launch(options, family: str, model_path, device, dtype, micro_batch_size, l
     command += ["--dtype", str(dtype).removeprefix("torch."), "--max-num-seqs", str(micro_batch_size), "--backend", options.backend]
     command += ["--device", device.type, "--engine-args", json.dumps(dict(options.engine_args)), "--exit-with-parent"]
     command += [] if load_base else ["--no-load-base"]
+    command += ["--vae-inversion-steps", str(vae_inversion_steps)]
     shared_dir.mkdir(parents=True, exist_ok=True)
     log = shared_dir / "engine.log"
     with open(log, "ab") as out:

@@ -32,8 +32,9 @@ PIPELINE_CLASS = "omni.rollout.vllm_pipeline.FlowGRPOPipeline"
 class FlowGRPOPipeline(torch.nn.Module):
     """Built by vLLM-Omni as `FlowGRPOPipeline(od_config=...)` on the CPU, then moved to
     the device with `.to()`. Reads `od_config.model`, `od_config.dtype` and our
-    `od_config.custom_pipeline_args`: "family" (`model.family`) and "load_base" (False: a
-    dummy transformer until the first weight sync)."""
+    `od_config.custom_pipeline_args`: "family" (`model.family`), "load_base" (False: a
+    dummy transformer until the first weight sync) and "vae_inversion_steps"
+    (`model.vae_inversion_steps`)."""
 
     # vLLM-Omni hands us a whole batch of co-scheduled requests per forward.
     supports_request_batch = True
@@ -50,7 +51,8 @@ class FlowGRPOPipeline(torch.nn.Module):
             raise ValueError("custom_pipeline_args needs 'family' (model.family), e.g. {'family': 'sd3'}")
         family = get_family(args["family"])
         self.engine = load_diffusers_engine(
-            family, od_config.model, torch.device("cpu"), od_config.dtype, micro_batch_size=1, load_base=args.get("load_base", True)
+            family, od_config.model, torch.device("cpu"), od_config.dtype, micro_batch_size=1, load_base=args.get("load_base", True),
+            vae_inversion_steps=args.get("vae_inversion_steps", 0),
         )
         pipe = self.engine.pipe
         # Registered as submodules so vLLM-Omni's `.to(device)` moves them.

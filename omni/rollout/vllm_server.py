@@ -55,7 +55,7 @@ class LocalBackend:
     `max_num_seqs`; its answers go through the formatter's mapping (`emulate_request_output`)."""
 
     def __init__(self, args):
-        pipeline_args = {"family": args.family, "load_base": args.load_base}
+        pipeline_args = {"family": args.family, "load_base": args.load_base, "vae_inversion_steps": args.vae_inversion_steps}
         od_config = SimpleNamespace(model=args.model, dtype=DTYPES[args.dtype], custom_pipeline_args=pipeline_args)
         self.pipeline = FlowGRPOPipeline(od_config=od_config).to(args.device)
         self.conditioning = get_family(args.family).conditioning
@@ -95,7 +95,10 @@ def engine_kwargs(args) -> Dict[str, Any]:
     from omni.rollout.vllm_worker import WORKER_EXTENSION_CLASS
 
     ours = dict(
-        custom_pipeline_args={"pipeline_class": PIPELINE_CLASS, "family": args.family, "load_base": args.load_base},
+        custom_pipeline_args={
+            "pipeline_class": PIPELINE_CLASS, "family": args.family, "load_base": args.load_base,
+            "vae_inversion_steps": args.vae_inversion_steps,
+        },
         worker_extension_cls=WORKER_EXTENSION_CLASS,
         enforce_eager=True,  # PEFT adapters are injected after start-up: no captured graphs
         max_num_seqs=args.max_num_seqs,
@@ -221,6 +224,7 @@ def parse_args(argv=None):
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--no-load-base", dest="load_base", action="store_false", help="start with a dummy transformer")
+    parser.add_argument("--vae-inversion-steps", type=int, default=0, help="encode images by inverting the VAE's decoder (model.vae_inversion_steps)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="images per pipeline forward")
     parser.add_argument("--backend", default="vllm", choices=("vllm", "local"))
     parser.add_argument("--device", default="cpu", help="local backend only (vLLM-Omni places its worker itself)")

@@ -15,10 +15,11 @@ from tests.conftest import compose_config
 
 @pytest.fixture(params=["sd3_tiny", "flux_tiny"])
 def offline_trainer(request, tiny_cache, synthetic_pairs, tmp_path):
-    """Offline DPO on each tiny family (FLUX: the pairs' images encoded to packed latents)."""
+    """Offline DPO on each tiny family (FLUX: the pairs' images encoded to packed latents).
+    A few decoder-inversion steps: telling pairs apart needs no faithful latents."""
     cfg = validate(compose_config(
         [f"model={request.param}", f"model.cache_dir={tiny_cache}", "algorithm=dpo", "data=pairs", f"data.pairs={synthetic_pairs}",
-         "trainer.batch_size=16", "trainer.progress_bar=false"], tmp_path,
+         "trainer.batch_size=16", "trainer.progress_bar=false", "model.vae_inversion_steps=3"], tmp_path,
     ))
     trainer = Trainer(cfg)
     trainer.setup()
