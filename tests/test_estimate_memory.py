@@ -73,3 +73,13 @@ def test_published_flux_on_eight_gpus(capsys):
     assert dev["passes"] == 1 and dev["tokens"] == (1024 // 16) ** 2 + 512 and dev["workers"] == 8
     one_gpu = dev["params"] * 2 / 2**30
     assert dev["gib_per_gpu"]["actor_weights"] < one_gpu / 4
+
+
+def test_published_qwen_image_on_eight_gpus(capsys):
+    """Qwen-Image's real architecture (the 20B transformer, 60 double-stream blocks), true CFG
+    in two passes, sharded over 8 workers."""
+    load_script().main(["model=qwen_image", "trainer.n_workers=8", "--resolution", "1024", "--gradient-checkpointing"])
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["arch"] == "qwen-image" and 20.0e9 < row["params"] < 20.7e9
+    assert row["passes"] == 2 and row["tokens"] == (1024 // 16) ** 2 + 256 and row["workers"] == 8
+    assert row["gib_per_gpu"]["actor_weights"] < row["params"] * 2 / 2**30 / 4

@@ -80,3 +80,10 @@ def test_flux_preset_has_the_published_settings(tmp_path):
     assert cfg.model.family == "flux" and (cfg.model.lora.rank, cfg.model.lora.alpha, cfg.trainer.lr) == (64, 128, 3e-4)
     assert (cfg.algorithm.clip_range, cfg.algorithm.kl_coef, cfg.algorithm.group_size) == (1e-4, 0.0, 24)
     assert (cfg.rollout.num_steps, cfg.rollout.noise_level, cfg.rollout.guidance_scale, cfg.rollout.resolution) == (6, 0.9, 3.5, 512)
+
+
+def test_qwen_image_preset_has_the_published_settings(tmp_path):
+    cfg = compose_config(["experiment=qwen_image_flow_grpo", "model.path=/ckpt/Qwen-Image"], tmp_path)
+    assert cfg.model.family == "qwen_image" and cfg.trainer.batch_size // cfg.algorithm.group_size == 32
+    assert (cfg.algorithm.kl_coef, cfg.algorithm.group_size, cfg.algorithm.sde_window_size) == (0.0, 16, 2)
+    assert (cfg.rollout.num_steps, cfg.rollout.noise_level, cfg.rollout.guidance_scale, cfg.rollout.resolution) == (10, 1.2, 4.0, 512)

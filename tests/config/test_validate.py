@@ -186,3 +186,27 @@ def test_flux_schnell_takes_no_guidance(tmp_path):
 def test_flux_without_path_says_what_to_pass():
     with pytest.raises(ConfigError, match="model.path"):
         validate(compose_config(["model=flux"]))
+
+
+# Qwen-Image: a resolution it cannot take (VAE factor 8 x 2x2 packing), a prompt longer than
+# the pipeline takes, an engine that does not serve it, no checkpoint
+QWEN_IMAGE_BAD = [
+    (["rollout.resolution=72"], "rollout.resolution=72: this model takes multiples of 16"),
+    (["model.max_sequence_length=2000"], "model.max_sequence_length=2000: Qwen-Image takes at most 1024"),
+    (["rollout=vllm", "rollout.options.backend=local"], "model.family=qwen_image is not yet served by the vLLM-Omni engine"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", QWEN_IMAGE_BAD, ids=[m.split(":")[0] for _, m in QWEN_IMAGE_BAD])
+def test_bad_qwen_image_config_says_what_it_takes(overrides, message, tmp_path, monkeypatch):
+    import omni.models.qwen_image as qwen
+
+    monkeypatch.setattr(qwen, "write_tiny_qwen_image", lambda *a, **k: pytest.fail("validation built a model"))
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(["model=qwen_image_tiny", f"model.cache_dir={tmp_path}", *overrides]))
+    assert message in str(info.value)
+
+
+def test_qwen_image_without_path_says_what_to_pass():
+    with pytest.raises(ConfigError, match="model.path"):
+        validate(compose_config(["model=qwen_image"]))

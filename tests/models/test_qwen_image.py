@@ -1,0 +1,166 @@
+"""The Qwen-Image family on the tiny model: deterministic builds (in two processes, to the byte),
+a tiny tokenizer that gives the chat template the token count the pipeline drops, our
+sampler's ODE images equal to `QwenImagePipeline.__call__`'s with true CFG (and not when its
+rescale or its shift is broken), prompts padded apart that sample as a batch, the per-channel
+VAE normalisation, and a LoRA export that `QwenImagePipeline.load_lora_weights` loads."""
+
+import pytest
+import torch
+
+import omni.models.qwen_image as qwen
+from omni.models import get_family
+from omni.models.qwen_image import FAMILY, qwen_tokenizer, tiny_qwen_image_path, write_tiny_qwen_image
+from omni.rollout.base import SamplingOptions
+from omni.rollout.sampling import sample_rollout
+
+PROMPTS = ["a red cat", "a blue dog with a tree"]
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_qwen_image_dir):
+    pipe = FAMILY.load_pipeline(tiny_qwen_image_dir, torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_two_builds_in_separate_processes_are_identical_files(tmp_path):
+    """Every file, the tokenizer included: a seed fixes the whole checkpoint on any machine."""
+    import subprocess
+    import sys
+
+    code = "import sys; from omni.models.qwen_image import write_tiny_qwen_image; write_tiny_qwen_image(sys.argv[1], 0)"
+    builds = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / name)]) for name in ("a", "b")]
+    assert [b.wait() for b in builds] == [0, 0]
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    assert files and files == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
+    assert any(f.parts[0] == "tokenizer" for f in files)
+    for f in files:
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+
+
+def test_family_and_cache(tiny_cache, tiny_qwen_image_dir):
+    assert get_family("qwen_image") is FAMILY
+    assert tiny_qwen_image_path(tiny_cache, seed=0) == tiny_qwen_image_dir
+    assert FAMILY.tiny_resolution_multiple() == FAMILY.resolution_multiple(tiny_qwen_image_dir) == 16
+
+
+def test_the_template_is_as_many_tokens_as_the_pipeline_drops(pipe):
+    """The system part of the chat template is exactly the `prompt_template_encode_start_idx`
+    tokens the pipeline drops, so what stays is the prompt and the template's tail; every
+    tiny word is one token."""
+    tokenizer = qwen_tokenizer()
+    head = pipe.prompt_template_encode.split("{}")[0]
+    assert len(tokenizer(head).input_ids) == pipe.prompt_template_encode_start_idx
+    kept = tokenizer(pipe.prompt_template_encode.format("a red cat")).input_ids[pipe.prompt_template_encode_start_idx :]
+    assert tokenizer.convert_ids_to_tokens(kept)[:3] == ["a", "\u0120red", "\u0120cat"]
+    assert tokenizer.unk_token_id not in tokenizer("a photo of a yellow bird").input_ids[:-1]
+
+
+def ode_sample(pipe, guidance_scale, steps=3, prompts=PROMPTS):
+    """Our sampler with every step an ODE step."""
+    options = SamplingOptions(steps, 64, guidance_scale, noise_level=0.7, max_sequence_length=16, sde_steps=(0, 0))
+    return sample_rollout(FAMILY, pipe, prompts, [3, 4], options, 4, torch.device("cpu"), torch.float32)
+
+
+def pipeline_images(pipe, latents, guidance_scale, steps=3):
+    return pipe(
+        PROMPTS, negative_prompt=" ", true_cfg_scale=guidance_scale, height=64, width=64, num_inference_steps=steps,
+        max_sequence_length=16, latents=latents.clone(), output_type="pt",
+    ).images  # fmt: skip
+
+
+def test_ode_sampling_equals_qwen_image_pipeline(pipe, monkeypatch):
+    """True CFG at 4 with the negative prompt " ": the same images as the pipeline, from the
+    same initial latents as its own for the same generators; a broken rescale or a shift
+    computed for another resolution gives other images."""
+    ours = ode_sample(pipe, 4.0)
+    theirs = pipeline_images(pipe, ours.latents[:, 0], 4.0)
+    assert ours.latents.shape == (2, 4, 16, 64) and theirs.std() > 0.05
+    assert (ours.images - theirs).abs().max() < 1e-5
+    generators = [torch.Generator().manual_seed(s) for s in (3, 4)]
+    assert torch.equal(ours.latents[:, 0], pipe.prepare_latents(2, 16, 64, 64, torch.float32, "cpu", generators))
+
+    monkeypatch.setattr(qwen, "true_cfg", lambda cond, uncond, scale: uncond + scale * (cond - uncond))
+    assert (ode_sample(pipe, 4.0).images - theirs).abs().max() > 1e-3
+    monkeypatch.undo()
+    sigmas = FAMILY.sigmas
+    monkeypatch.setattr(FAMILY, "sigmas", lambda p, n, resolution: sigmas(p, n, 1024))
+    assert (ode_sample(pipe, 4.0).images - theirs).abs().max() > 1e-3
+
+
+def test_without_guidance_one_pass_equals_the_pipeline(pipe):
+    ours = ode_sample(pipe, 1.0)
+    assert ours.cond.neg_embeds is None
+    assert (ours.images - pipeline_images(pipe, ours.latents[:, 0], 1.0)).abs().max() < 1e-5
+    assert (ours.images - ode_sample(pipe, 4.0).images).abs().max() > 1e-3
+
+
+def test_prompts_encoded_apart_sample_as_a_batch(pipe):
+    """Rows are padded to max_sequence_length with a mask, so prompts encoded one by one stack
+    and give the images of the batch encoded at once (cut to its longest prompt)."""
+    together = FAMILY.encode_prompts(pipe, PROMPTS, 4.0, 16, "cpu")
+    apart = FAMILY.conditioning.cat([FAMILY.encode_prompts(pipe, [p], 4.0, 16, "cpu") for p in PROMPTS])
+    assert together.embeds.shape == (2, 16, 32) and together.mask.sum(1).tolist() == [8, 11]
+    latents, sigmas = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0)), torch.tensor([0.9, 0.5])
+    with torch.no_grad():
+        a = FAMILY.predict_velocity(pipe.transformer, latents, sigmas, together, 4.0)
+        b = FAMILY.predict_velocity(pipe.transformer, latents, sigmas, apart, 4.0)
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_shift_grows_with_the_resolution(pipe):
+    small, large = FAMILY.sigmas(pipe, 4, 64), FAMILY.sigmas(pipe, 4, 1024)
+    assert small[0] == large[0] == 1 and small[-1] == large[-1] == 0
+    assert torch.all(large[1:-2] > small[1:-2] + 0.01)
+    # both stretched to end at the scheduler's shift_terminal
+    assert abs(float(small[-2]) - 0.02) < 1e-6 and abs(float(large[-2]) - 0.02) < 1e-6
+
+
+def test_vae_round_trip_uses_the_per_channel_normalisation(pipe):
+    """encode_images inverts decode's normalisation: a latent decoded and re-encoded comes
+    back near itself only with latents_mean / latents_std applied both ways."""
+    images = FAMILY.decode(pipe, ode_sample(pipe, 1.0).latents[:, -1], 64)
+    latents = FAMILY.encode_images(pipe, images, "cpu")
+    assert latents.shape == (2, 16, 64)
+    raw = qwen.pack(pipe.vae.encode((images * 2 - 1)[:, :, None]).latent_dist.mode()[:, :, 0])
+    mean, std = (torch.tensor(getattr(pipe.vae.config, k)) for k in ("latents_mean", "latents_std"))
+    assert torch.allclose(latents, (raw - mean.repeat_interleave(4)) / std.repeat_interleave(4), atol=1e-5)
+
+
+def test_exported_lora_loads_in_qwen_image_pipeline(tiny_qwen_image_dir, pipe, tmp_path):
+    """A LoRA saved as checkpoints save it loads with QwenImagePipeline.load_lora_weights, on
+    both streams' projections, and gives the transformer the actor's outputs."""
+    from omni.checkpoint import save_lora
+    from omni.config.model import LoraConfig
+    from omni.weights import add_lora_adapter, lora_tensors
+
+    lora_config = LoraConfig(rank=4, target_modules=list(FAMILY.lora_targets))
+    actor = FAMILY.load_transformer(tiny_qwen_image_dir, torch.float32)
+    add_lora_adapter(actor, lora_config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in actor.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+    lora = lora_tensors(actor, "default")
+    assert any(".add_q_proj." in k for k in lora) and any(".to_add_out." in k for k in lora)
+    save_lora(tmp_path, lora, lora_config, FAMILY)
+
+    cond = FAMILY.encode_prompts(pipe, PROMPTS, 4.0, 16, "cpu")
+    latents = torch.randn(2, 16, 64, generator=generator)
+    sigmas = torch.tensor([0.9, 0.4])
+    with torch.no_grad():
+        base = FAMILY.predict_velocity(pipe.transformer, latents, sigmas, cond, 4.0)
+        pipe.load_lora_weights(str(tmp_path))
+        loaded = FAMILY.predict_velocity(pipe.transformer, latents, sigmas, cond, 4.0)
+        pipe.unload_lora_weights()
+        expected = FAMILY.predict_velocity(actor, latents, sigmas, cond, 4.0)
+    assert not torch.allclose(base, loaded, atol=1e-3)
+    assert torch.allclose(loaded, expected, atol=1e-5)
+    assert FAMILY.load_lora(tmp_path).keys() == lora.keys()
+
+
+def test_missing_checkpoint_says_what_to_pass(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model.path=.*no diffusers checkpoint there"):
+        FAMILY.check_path(str(tmp_path / "nowhere"))
+    assert write_tiny_qwen_image  # the builder is importable without building
