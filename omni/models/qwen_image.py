@@ -283,6 +283,8 @@ class QwenImageFamily(ModelFamily):
         return 2 if guidance_scale > 1 else 1
 
     def check_settings(self, transformer_config: dict, model, rollout) -> None:
+        if model.vae_inversion_steps:
+            raise ValueError(f"model.vae_inversion_steps={model.vae_inversion_steps}: Qwen-Image's images are encoded by its VAE's encoder (set 0)")
         if model.max_sequence_length > MAX_SEQUENCE_LENGTH:
             raise ValueError(
                 f"model.max_sequence_length={model.max_sequence_length}: Qwen-Image takes at most {MAX_SEQUENCE_LENGTH} prompt tokens"
@@ -336,8 +338,9 @@ class QwenImageFamily(ModelFamily):
     def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:
         return qwen_vae_decode(pipe.vae, unpack(latents))
 
-    def encode_images(self, pipe, images: torch.Tensor, device) -> torch.Tensor:
-        """Images in [0, 1] -> packed latents (the VAE posterior's mode), fp32 on the CPU."""
+    def encode_images(self, pipe, images: torch.Tensor, device, inversion_steps: int = 0) -> torch.Tensor:
+        """Images in [0, 1] -> packed latents (the VAE posterior's mode), fp32 on the CPU.
+        The 3-D VAE's decoder is not inverted (`check_settings` refuses inversion steps)."""
         return pack(qwen_vae_encode(pipe.vae, images, device))
 
 

@@ -194,6 +194,7 @@ QWEN_IMAGE_BAD = [
     (["rollout.resolution=72"], "rollout.resolution=72: this model takes multiples of 16"),
     (["model.max_sequence_length=2000"], "model.max_sequence_length=2000: Qwen-Image takes at most 1024"),
     (["rollout=vllm", "rollout.options.backend=local"], "model.family=qwen_image is not yet served by the vLLM-Omni engine"),
+    (["model.vae_inversion_steps=10"], "model.vae_inversion_steps=10: Qwen-Image's images are encoded by its VAE's encoder"),
 ]
 
 
