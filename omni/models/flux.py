@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Sequence
 
-import numpy as np
 import torch
 
 from omni.models.base import Conditioning, ModelFamily, vae_decode, vae_encode
+from omni.models.packing import pack, packed_noise, shifted_sigmas, unpack
 from omni.models.tiny_parts import (
     TINY_VAE_FACTOR,
     autoencoder_kl,
@@ -98,22 +98,6 @@ def write_tiny_flux(out_dir: str | os.PathLike, seed: int = 0, guidance_embeds: 
 def tiny_flux_path(cache_dir: str | os.PathLike, seed: int = 0) -> Path:
     """Directory of the cached tiny (dev-like) pipeline for `seed`, built on first use."""
     return cached_checkpoint(cache_dir, "flux-tiny", TINY_BUILDER_VERSION, seed, lambda path: write_tiny_flux(path, seed))
-
-
-# ----------------------------------------------------------------- packed latents
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, h, w) VAE latents -> (B, h/2 * w/2, 4C): one token per 2x2 patch."""
-    b, c, h, w = latents.shape
-    patches = latents.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return patches.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(tokens: torch.Tensor) -> torch.Tensor:
-    """The inverse of `pack` for square images."""
-    b, n, width = tokens.shape
-    side = math.isqrt(n)
-    patches = tokens.reshape(b, side, side, width // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return patches.reshape(b, width // 4, 2 * side, 2 * side)
 
 
 def image_ids(tokens: int, device, dtype) -> torch.Tensor:
@@ -186,26 +170,11 @@ class FluxFamily(ModelFamily):
         return FluxPromptEmbeds(embeds, pooled)
 
     def sigmas(self, pipe, num_steps: int, resolution: int) -> torch.Tensor:
-        """FluxPipeline's schedule: linspace(1, 1/n, n), shifted by the scheduler for this
-        resolution's number of image tokens (mu), then 0."""
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-        config = pipe.scheduler.config
-        tokens = (resolution // (pipe.vae_scale_factor * 2)) ** 2
-        mu = calculate_shift(
-            tokens,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
-        return pipe.scheduler.sigmas.float().clone()
+        """FluxPipeline's schedule (`shifted_sigmas`)."""
+        return shifted_sigmas(pipe, num_steps, resolution)
 
     def initial_latents(self, pipe, generators: Sequence[torch.Generator], resolution: int) -> torch.Tensor:
-        size = 2 * (resolution // (pipe.vae_scale_factor * 2))
-        channels = pipe.transformer.config.in_channels // 4
-        return pack(torch.stack([torch.randn(channels, size, size, generator=g) for g in generators]))
+        return packed_noise(pipe, generators, resolution)
 
     def predict_velocity(self, transformer, latents, sigmas, cond: FluxPromptEmbeds, guidance_scale: float):
         """The transformer's velocity at noise levels `sigmas` (FLUX takes sigma itself as the

@@ -35,11 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-import numpy as np
 import torch
 
 from omni.models.base import Conditioning, ModelFamily
-from omni.models.flux import pack, unpack
+from omni.models.packing import pack, packed_noise, shifted_sigmas, unpack
 from omni.models.tiny_parts import TINY_DECODER_GAIN, TINY_WORDS, cached_checkpoint, save_pipeline
 
 # Bump when the tiny architecture changes, so stale caches are not reused.
@@ -304,25 +303,12 @@ class QwenImageFamily(ModelFamily):
         return QwenPromptEmbeds(embeds, mask, neg_embeds, neg_mask)
 
     def sigmas(self, pipe, num_steps: int, resolution: int) -> torch.Tensor:
-        """QwenImagePipeline's schedule: linspace(1, 1/n, n), shifted for this resolution's
-        number of image tokens (mu), stretched to the scheduler's terminal value, then 0."""
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-
-        config = pipe.scheduler.config
-        mu = calculate_shift(
-            (resolution // (pipe.vae_scale_factor * 2)) ** 2,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
-        return pipe.scheduler.sigmas.float().clone()
+        """QwenImagePipeline's schedule (`shifted_sigmas`; its scheduler also stretches the
+        shifted noise levels to its terminal value)."""
+        return shifted_sigmas(pipe, num_steps, resolution)
 
     def initial_latents(self, pipe, generators: Sequence[torch.Generator], resolution: int) -> torch.Tensor:
-        size = 2 * (resolution // (pipe.vae_scale_factor * 2))
-        channels = pipe.transformer.config.in_channels // 4
-        return pack(torch.stack([torch.randn(channels, size, size, generator=g) for g in generators]))
+        return packed_noise(pipe, generators, resolution)
 
     def predict_velocity(self, transformer, latents, sigmas, cond: QwenPromptEmbeds, guidance_scale: float):
         """The velocity at noise levels `sigmas`, with true CFG (two passes, each prompt cut to
