@@ -111,13 +111,16 @@ def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
 
 def check_family_settings(cfg: TrainConfig, family: ModelFamily) -> None:
     """The family's own rules (a guidance it does not take, a text length its encoder
-    cannot), from the transformer's config: no weights read."""
+    cannot), from the transformer's config: no weights read. Modules the family's output
+    never depends on join `model.lora.exclude_modules`."""
     model = cfg.model
     config = family.tiny_transformer_config() if model.tiny_seed is not None else family.transformer_config(model.path)
     try:
         family.check_settings(config, model, cfg.rollout)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    unused = [name for name in family.unused_modules(config) if name not in model.lora.exclude_modules]
+    model.lora.exclude_modules = [*model.lora.exclude_modules, *unused]
 
 
 def check_share_actor(cfg: TrainConfig) -> None:

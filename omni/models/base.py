@@ -148,6 +148,11 @@ class ModelFamily:
             )
         return root
 
+    def unused_modules(self, transformer_config: dict) -> List[str]:
+        """Modules the transformer's output never depends on: a LoRA on them would get no
+        gradient, so validation adds them to `model.lora.exclude_modules`."""
+        return []
+
     def check_settings(self, transformer_config: dict, model, rollout) -> None:
         """The family's own rules on the run's `model` and (resolved) `rollout` settings,
         checked before any model loads from the transformer's config alone: a ValueError

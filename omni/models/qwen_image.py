@@ -254,6 +254,10 @@ class QwenImageFamily(ModelFamily):
     layer_prefixes = ("transformer_blocks.",)
     # Both streams' attention projections (image: to_*, text: add_*_proj, to_add_out).
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+
+    def unused_modules(self, transformer_config: dict) -> List[str]:
+        """The last block's text-stream output: the transformer returns only image tokens."""
+        return [f"transformer_blocks.{transformer_config['num_layers'] - 1}.attn.to_add_out"]
     text_encoders = ("text_encoder",)
     published_configs = {"qwen-image": "qwen-image-transformer.json"}
     # Qwen2.5-VL-7B (language model and vision tower, as the pipeline loads it) and the

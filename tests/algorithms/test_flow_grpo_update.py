@@ -172,15 +172,20 @@ def test_gradient_checkpointing_gives_the_same_gradients(fresh, tiny_cache, tmp_
         checkpointed.shutdown()
 
 
-def test_gradient_checkpointing_gives_the_same_gradients_for_flux(tiny_cache, tmp_path):
-    """FLUX recomputes both its double-stream and its single-stream blocks."""
+@pytest.mark.parametrize(
+    "model,containers",
+    [("flux_tiny", ("transformer_blocks", "single_transformer_blocks")), ("qwen_image_tiny", ("transformer_blocks",))],
+)
+def test_gradient_checkpointing_gives_the_same_gradients_per_family(model, containers, tiny_cache, tmp_path):
+    """Each family recomputes every container of blocks (FLUX: its double-stream and its
+    single-stream blocks)."""
     from omni.trainer import model_path
     from omni.workers.actor_rollout import ActorRolloutWorker
 
     workers = []
     try:
         for checkpointing in (False, True):
-            overrides = ["model=flux_tiny", "trainer.micro_batch_size=64", f"model.gradient_checkpointing={checkpointing}"]
+            overrides = [f"model={model}", "trainer.micro_batch_size=64", f"model.gradient_checkpointing={checkpointing}"]
             cfg = validate(compose_config([f"model.cache_dir={tiny_cache}", *overrides], tmp_path / str(checkpointing)))
             workers.append(ActorRolloutWorker(cfg, model_path(cfg.model)))
             workers[-1].setup()
@@ -192,13 +197,13 @@ def test_gradient_checkpointing_gives_the_same_gradients_for_flux(tiny_cache, tm
         batch = flow_grpo.GRPOBatch(rollout(plain), torch.tensor([1.0, -1.0, 0.5, -0.5]))
         calls = {}
         for w in workers:
-            for container in ("transformer_blocks", "single_transformer_blocks"):
+            for container in containers:
                 key = (id(w), container)
                 calls[key] = 0
                 getattr(w.actor, container)[0].register_forward_pre_hook(lambda *_, key=key: calls.__setitem__(key, calls[key] + 1))
         for a, b in zip(gradients_of_one_update(plain, batch), gradients_of_one_update(checkpointed, batch)):
             assert a.norm() > 0 and torch.allclose(a, b, rtol=1e-4, atol=1e-7)
-        for container in ("transformer_blocks", "single_transformer_blocks"):
+        for container in containers:
             assert calls[(id(checkpointed), container)] == 2 * calls[(id(plain), container)] > 0
     finally:
         for w in workers:

@@ -29,11 +29,14 @@ def test_qwen_image_run_exports_a_lora_the_pipeline_loads(tmp_path, tiny_cache, 
         base = FAMILY.predict_velocity(pipe.transformer, latents, sigmas, cond, 4.0)
         pipe.load_lora_weights(str(checkpoint))
         loaded = FAMILY.predict_velocity(pipe.transformer, latents, sigmas, cond, 4.0)
-        # the same tensors in the actor's own format, with the run's LoRA config
+        # the same tensors in the actor's own format, with the run's LoRA config: no LoRA on
+        # the last block's text output, which the transformer never returns
+        unused = FAMILY.unused_modules(FAMILY.tiny_transformer_config())
         reference = FAMILY.load_transformer(tiny_qwen_image_dir, torch.float32)
-        add_lora_adapter(reference, LoraConfig(target_modules=list(FAMILY.lora_targets)))
+        add_lora_adapter(reference, LoraConfig(target_modules=list(FAMILY.lora_targets), exclude_modules=unused))
         peft_names = {k.removeprefix("transformer."): v for k, v in final_lora(tmp_path / "run", 2).items()}
         assert any(".add_q_proj." in k for k in peft_names)
+        assert unused == ["transformer_blocks.1.attn.to_add_out"] and not any(k.startswith(unused[0] + ".") for k in peft_names)
         load_lora_weights(reference, peft_names, "default")
         expected = FAMILY.predict_velocity(reference, latents, sigmas, cond, 4.0)
     assert (base - loaded).abs().max() > 1e-6
