@@ -7,10 +7,9 @@ logger; never the trainer. Everything random in a step is a function of (seed, s
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
-
-import time
 
 import torch
 

@@ -38,14 +38,19 @@ from omni.trainer import Trainer
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
 
-def best_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def fastest(fn, repeats: int):
+    """(seconds, result) of the fastest of `repeats` calls of `fn`, after a warm-up call."""
+    fn()
+    timed = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        result = fn()
+        timed.append((time.perf_counter() - start, result))
+    return min(timed, key=lambda pair: pair[0])
+
+
+def best_time(fn, repeats: int) -> float:
+    return fastest(fn, repeats)[0]
 
 
 def make_trainer(out_dir: str, *overrides: str) -> Trainer:
@@ -125,27 +130,22 @@ class Delayed(Reward):
         return brightness(images, prompts)
 
 
-def fastest_step(trainer: Trainer, counter, repeats: int):
-    """The seconds and metrics of the fastest of `repeats` training steps, after a warm-up."""
-    trainer.algorithm.step(next(counter))
-    timed = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        metrics = trainer.algorithm.step(next(counter))
-        timed.append((time.perf_counter() - start, metrics))
-    return min(timed, key=lambda pair: pair[0])
-
-
 def bench_reward_overlap(out_dir: str, repeats: int, overrides=()) -> dict:
-    settings = {"images": 8, "images_per_prompt": 4, "rollout.micro_batch_size": 2, "steps": 10, "resolution": 64}
     trainer = make_trainer(out_dir, *overrides, "trainer.batch_size=8", "algorithm.group_size=4", "rollout.micro_batch_size=2")
+    cfg = trainer.cfg
+    settings = {
+        "model": cfg.model.family, "images": cfg.trainer.batch_size, "images_per_prompt": cfg.algorithm.group_size,
+        "rollout.micro_batch_size": cfg.rollout.micro_batch_size, "steps": cfg.rollout.num_steps,
+        "resolution": cfg.rollout.resolution, "guidance_scale": cfg.rollout.guidance_scale,
+        "max_sequence_length": cfg.model.max_sequence_length,
+    }
     options = trainer.ctx.sampling_options(trainer.ctx.sde_window(0))
     rollout_s = best_time(lambda: trainer.worker.generate(["a red cat"] * 8, step_seeds(0, 0, 8), options), repeats)
     trainer.ctx.reward.rewards = {"delayed": Delayed(rollout_s / 8)}  # as slow as the rollout
     counter, result = iter(range(10_000)), {"settings": {**settings, "reward_seconds_per_image": rollout_s / 8}}
     for overlap in (False, True):
         trainer.cfg.reward.overlap = overlap
-        seconds, metrics = fastest_step(trainer, counter, repeats)
+        seconds, metrics = fastest(lambda: trainer.algorithm.step(next(counter)), repeats)
         other = metrics["time/update"] + metrics["time/sync"]
         result[f"overlap_{'on' if overlap else 'off'}"] = {
             "seconds_per_step": seconds,
