@@ -87,3 +87,5 @@ def test_qwen_image_preset_has_the_published_settings(tmp_path):
     assert cfg.model.family == "qwen_image" and cfg.trainer.batch_size // cfg.algorithm.group_size == 32
     assert (cfg.algorithm.kl_coef, cfg.algorithm.group_size, cfg.algorithm.sde_window_size) == (0.0, 16, 2)
     assert (cfg.rollout.num_steps, cfg.rollout.noise_level, cfg.rollout.guidance_scale, cfg.rollout.resolution) == (10, 1.2, 4.0, 512)
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha, cfg.trainer.lr, cfg.algorithm.clip_range) == (64, 128, 3e-4, 1e-4)
+    assert {"img_mlp.net.0.proj", "txt_mlp.net.2"} <= set(cfg.model.lora.target_modules)
