@@ -256,8 +256,10 @@ class QwenImageFamily(ModelFamily):
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
     def unused_modules(self, transformer_config: dict) -> List[str]:
-        """The last block's text-stream output: the transformer returns only image tokens."""
-        return [f"transformer_blocks.{transformer_config['num_layers'] - 1}.attn.to_add_out"]
+        """In the last block, what only the text stream's output depends on (its queries, its
+        attention output and feed-forward): the transformer returns only image tokens."""
+        last = f"transformer_blocks.{transformer_config['num_layers'] - 1}"
+        return [f"{last}.{name}" for name in ("attn.add_q_proj", "attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2")]
     text_encoders = ("text_encoder",)
     published_configs = {"qwen-image": "qwen-image-transformer.json"}
     # Qwen2.5-VL-7B (language model and vision tower, as the pipeline loads it) and the
@@ -284,6 +286,10 @@ class QwenImageFamily(ModelFamily):
 
     def forward_passes(self, guidance_scale: float) -> int:
         return 2 if guidance_scale > 1 else 1
+
+    def pipeline_guidance(self, guidance_scale: float) -> dict:
+        """True CFG on the negative prompt " ", as our sampler runs it."""
+        return {"true_cfg_scale": guidance_scale, "negative_prompt": " "}
 
     def check_settings(self, transformer_config: dict, model, rollout) -> None:
         if model.vae_inversion_steps:

@@ -64,8 +64,8 @@ def ode_sample(pipe, guidance_scale, steps=3, prompts=PROMPTS):
 
 def pipeline_images(pipe, latents, guidance_scale, steps=3):
     return pipe(
-        PROMPTS, negative_prompt=" ", true_cfg_scale=guidance_scale, height=64, width=64, num_inference_steps=steps,
-        max_sequence_length=16, latents=latents.clone(), output_type="pt",
+        PROMPTS, height=64, width=64, num_inference_steps=steps, max_sequence_length=16, latents=latents.clone(),
+        output_type="pt", **FAMILY.pipeline_guidance(guidance_scale),
     ).images  # fmt: skip
 
 
@@ -158,6 +158,31 @@ def test_exported_lora_loads_in_qwen_image_pipeline(tiny_qwen_image_dir, pipe, t
     assert not torch.allclose(base, loaded, atol=1e-3)
     assert torch.allclose(loaded, expected, atol=1e-5)
     assert FAMILY.load_lora(tmp_path).keys() == lora.keys()
+
+
+def test_unused_modules_are_exactly_the_lora_modules_without_a_gradient(tiny_qwen_image_dir, pipe):
+    """With LoRA on every projection and feed-forward of both streams (the preset's targets),
+    the modules the family calls unused are those whose LoRA gets no gradient, and no others."""
+    from omni.config.model import LoraConfig
+    from omni.weights import add_lora_adapter
+
+    targets = [*FAMILY.lora_targets, "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
+    actor = FAMILY.load_transformer(tiny_qwen_image_dir, torch.float32)
+    add_lora_adapter(actor, LoraConfig(rank=4, target_modules=targets))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a zero LoRA B would hide every A's gradient
+        for name, p in actor.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    cond = FAMILY.encode_prompts(pipe, PROMPTS, 4.0, 16, "cpu")
+    latents = torch.randn(2, 16, 64, generator=generator)
+    FAMILY.predict_velocity(actor, latents, torch.tensor([0.9, 0.4]), cond, 4.0).square().sum().backward()
+    without_gradient = {
+        name.split(".lora_")[0].removeprefix("base_model.model.")
+        for name, p in actor.named_parameters()
+        if "lora_A" in name and (p.grad is None or p.grad.abs().max() == 0)
+    }
+    assert without_gradient == set(FAMILY.unused_modules(FAMILY.tiny_transformer_config()))
 
 
 def test_missing_checkpoint_says_what_to_pass(tmp_path):

@@ -36,7 +36,8 @@ def test_qwen_image_run_exports_a_lora_the_pipeline_loads(tmp_path, tiny_cache, 
         add_lora_adapter(reference, LoraConfig(target_modules=list(FAMILY.lora_targets), exclude_modules=unused))
         peft_names = {k.removeprefix("transformer."): v for k, v in final_lora(tmp_path / "run", 2).items()}
         assert any(".add_q_proj." in k for k in peft_names)
-        assert unused == ["transformer_blocks.1.attn.to_add_out"] and not any(k.startswith(unused[0] + ".") for k in peft_names)
+        assert "transformer_blocks.1.attn.to_add_out" in unused
+        assert not any(k.startswith(f"{name}.") for k in peft_names for name in unused)
         load_lora_weights(reference, peft_names, "default")
         expected = FAMILY.predict_velocity(reference, latents, sigmas, cond, 4.0)
     assert (base - loaded).abs().max() > 1e-6
