@@ -1,6 +1,6 @@
 """Benchmark the tiny Flow-GRPO and DPO recipes on this machine; prints one JSON object.
 
-    python scripts/bench_train.py [--repeats 5] [hydra overrides, e.g. model=flux_tiny]
+    python scripts/bench_train.py [--repeats 5] [--parts rollout update ...] [hydra overrides, e.g. model=flux_tiny]
     python scripts/bench_train.py --reward-overlap [--repeats 3]
 
 - rollout: images/s of our engine (SDE steps with log-probs, trajectory kept) against the
@@ -76,14 +76,18 @@ def bench_rollout(trainer: Trainer, n_images: int, repeats: int) -> dict:
         with torch.no_grad():
             pipe(
                 prompts, num_inference_steps=options.num_steps, height=options.resolution, width=options.resolution,
-                guidance_scale=options.guidance_scale, max_sequence_length=options.max_sequence_length,
-                generator=[torch.Generator().manual_seed(s) for s in seeds], output_type="pt",
+                max_sequence_length=options.max_sequence_length, generator=[torch.Generator().manual_seed(s) for s in seeds],
+                output_type="pt", **trainer.family.pipeline_guidance(options.guidance_scale),
             )
 
     ours_s, plain_s = best_time(ours, repeats), best_time(plain, repeats)
     return {
+        "model": trainer.cfg.model.family,
         "images": n_images,
         "steps": options.num_steps,
+        "resolution": options.resolution,
+        "guidance_scale": options.guidance_scale,
+        "max_sequence_length": options.max_sequence_length,
         "ours_images_per_s": n_images / ours_s,
         "diffusers_pipeline_images_per_s": n_images / plain_s,
         "ratio_vs_pipeline": plain_s / ours_s,
@@ -158,25 +162,34 @@ def bench_reward_overlap(out_dir: str, repeats: int, overrides=()) -> dict:
     return result
 
 
+PARTS = {
+    "rollout": lambda trainer, repeats: bench_rollout(trainer, 8, repeats),
+    "update": bench_update,
+    "epoch": bench_epoch,
+    "dpo": None,  # builds its own trainer
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--reward-overlap", action="store_true", help="only the reward.overlap benchmark")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which benchmarks to run (default: all)")
     args, overrides = parser.parse_known_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as out_dir:
         if args.reward_overlap:
             print(json.dumps({"torch_threads": torch.get_num_threads(), **bench_reward_overlap(out_dir, args.repeats, overrides)}, indent=2))
             return
-        trainer = make_trainer(out_dir, *overrides, "trainer.batch_size=8", "algorithm.group_size=4")
-        result = {
-            "torch_threads": torch.get_num_threads(),
-            "rollout": bench_rollout(trainer, 8, args.repeats),
-            "update": bench_update(trainer, args.repeats),
-            "epoch": bench_epoch(trainer, args.repeats),
-        }
-        trainer.cleanup()
-        result["dpo"] = bench_dpo(out_dir, args.repeats, overrides)
+        result = {"torch_threads": torch.get_num_threads()}
+        on_trainer = [part for part in ("rollout", "update", "epoch") if part in args.parts]
+        if on_trainer:
+            trainer = make_trainer(out_dir, *overrides, "trainer.batch_size=8", "algorithm.group_size=4")
+            for part in on_trainer:
+                result[part] = PARTS[part](trainer, args.repeats)
+            trainer.cleanup()
+        if "dpo" in args.parts:
+            result["dpo"] = bench_dpo(out_dir, args.repeats, overrides)
     print(json.dumps(result, indent=2))
 
 

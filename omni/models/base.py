@@ -177,6 +177,11 @@ class ModelFamily:
         """Transformer passes per image and velocity (2 under classifier-free guidance)."""
         return 1
 
+    def pipeline_guidance(self, guidance_scale: float) -> dict:
+        """The keyword arguments that give the family's diffusers pipeline `__call__` this
+        guidance (for comparisons with the plain pipeline)."""
+        return {"guidance_scale": guidance_scale}
+
     # ----------------------------------------------------------------- loading
     def _diffusers(self, name: str):
         import diffusers
