@@ -136,7 +136,8 @@ def main(argv=None) -> None:
     family = get_family(cfg.model.family)
     lora = OmegaConf.to_object(cfg.model.lora)
     lora.target_modules = lora.target_modules or list(family.lora_targets)
-    archs = [args.arch] if args.arch else ([cfg.model.path] if Path(cfg.model.path).is_dir() else list(family.published_configs))
+    on_disk = cfg.model.path and Path(cfg.model.path).is_dir()
+    archs = [args.arch] if args.arch else ([cfg.model.path] if on_disk else list(family.published_configs))
     dtype = "bfloat16" if cfg.model.dtype == "auto" else str(cfg.model.dtype.value)
     guidance = cfg.rollout.guidance_scale if cfg.rollout.guidance_scale is not None else cfg.model.guidance_scale
     micro_batch = args.micro_batch or cfg.trainer.micro_batch_size
