@@ -13,13 +13,15 @@ from omni.trainer import Trainer
 from tests.conftest import compose_config
 
 
-@pytest.fixture(params=["sd3_tiny", "flux_tiny"])
+@pytest.fixture(params=["sd3_tiny", "flux_tiny", "qwen_image_tiny"])
 def offline_trainer(request, tiny_cache, synthetic_pairs, tmp_path):
-    """Offline DPO on each tiny family (FLUX: the pairs' images encoded to packed latents).
-    A few decoder-inversion steps: telling pairs apart needs no faithful latents."""
+    """Offline DPO on each tiny family (FLUX and Qwen-Image: the pairs' images encoded to
+    packed latents, Qwen-Image's by its 3-D VAE's encoder). A few decoder-inversion steps for
+    the others: telling pairs apart needs no faithful latents."""
+    encoding = [] if request.param == "qwen_image_tiny" else ["model.vae_inversion_steps=3"]
     cfg = validate(compose_config(
         [f"model={request.param}", f"model.cache_dir={tiny_cache}", "algorithm=dpo", "data=pairs", f"data.pairs={synthetic_pairs}",
-         "trainer.batch_size=16", "trainer.progress_bar=false", "model.vae_inversion_steps=3"], tmp_path,
+         "trainer.batch_size=16", "trainer.progress_bar=false", *encoding], tmp_path,
     ))
     trainer = Trainer(cfg)
     trainer.setup()
@@ -69,3 +71,27 @@ def test_data_position_is_saved_and_checked(offline_trainer):
     assert algorithm.consumed == 32
     with pytest.raises(ValueError, match="the checkpoint trained on 30 pairs.*same data"):
         algorithm.load_state_dict({**state, "train_pairs": 30}, step=1)
+
+
+@pytest.mark.parametrize("model", ["flux_tiny", "qwen_image_tiny"])
+def test_online_dpo_step_trains_each_family(model, tiny_cache, tmp_path):
+    """One online step on the families with packed latents and their own conditioning (FLUX's
+    pooled CLIP and guidance, Qwen-Image's padded prompts with masks and true CFG): each group's
+    best and worst rollouts become a pair, the loss starts at log 2 (policy = reference) and
+    the LoRA moves."""
+    guidance = ["model.guidance_scale=2.0"] if model == "qwen_image_tiny" else []
+    cfg = validate(compose_config(
+        [f"model={model}", f"model.cache_dir={tiny_cache}", "algorithm=online_dpo", "trainer.batch_size=8",
+         "algorithm.group_size=4", "rollout.num_steps=4", "trainer.progress_bar=false", *guidance], tmp_path,
+    ))  # fmt: skip
+    trainer = Trainer(cfg)
+    trainer.setup()
+    try:
+        before = trainer.worker.lora_state_dict()
+        metrics = trainer.algorithm.step(0)
+        after = trainer.worker.lora_state_dict()
+    finally:
+        trainer.cleanup()
+    assert metrics["train/pairs"] == 2 and metrics["train/tied_groups"] == 0
+    assert abs(metrics["train/loss"] - math.log(2)) < 1e-4
+    assert max(float((after[k] - before[k]).abs().max()) for k in before) > 1e-4
