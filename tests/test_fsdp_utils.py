@@ -77,6 +77,8 @@ def _cell_specs() -> dict[str, list[str] | None]:
         cells[f"{w}-absent_second_prefix"] = ["ValueError", "single_transformer_blocks.", "['transformer_blocks']"]
         cells[f"{w}-flux_two_prefixes_lora"] = None
         cells[f"{w}-flux_base"] = None
+        cells[f"{w}-qwen_image_lora"] = None
+        cells[f"{w}-qwen_image_base"] = None
         cells[f"{w}-diffusers_load_lora_adapter"] = None
         cells[f"{w}-layered_gathering"] = None
         cells[f"{w}-summon"] = None
@@ -133,7 +135,16 @@ def _build_flux(seed=0):
     )  # fmt: skip
 
 
-BUILDERS = {"sd3": _build_sd3, "flux": _build_flux}
+def _build_qwen_image(seed=0):
+    from diffusers import QwenImageTransformer2DModel
+
+    from omni.models.qwen_image import TINY_TRANSFORMER
+
+    torch.manual_seed(seed)
+    return QwenImageTransformer2DModel(**TINY_TRANSFORMER)
+
+
+BUILDERS = {"sd3": _build_sd3, "flux": _build_flux, "qwen_image": _build_qwen_image}
 
 
 def _with_adapters(kind, adapters, lora_seed=1, base_seed=0):
@@ -151,6 +162,15 @@ def _inputs(model):
             hidden_states=torch.randn(1, 16, 4, generator=g), encoder_hidden_states=torch.randn(1, 5, 32, generator=g),
             pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
             img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(5, 3), return_dict=False,
+        )  # fmt: skip
+    if any(n.endswith("img_mlp") for n, _ in model.named_modules()):  # Qwen-Image: a 4x4 grid of packed tokens
+        from omni.models.qwen_image import TINY_TRANSFORMER
+
+        text = torch.randn(1, 5, TINY_TRANSFORMER["joint_attention_dim"], generator=g)
+        return dict(
+            hidden_states=torch.randn(1, 16, 64, generator=g), encoder_hidden_states=text,
+            encoder_hidden_states_mask=torch.ones(1, 5), timestep=torch.tensor([0.5]), img_shapes=[[(1, 4, 4)]],
+            return_dict=False,
         )  # fmt: skip
     return dict(
         hidden_states=torch.randn(1, 4, 8, 8, generator=g), encoder_hidden_states=torch.randn(1, 6, 64, generator=g),
@@ -345,8 +365,9 @@ def _matrix_cells(w) -> dict:
 def _prefix_cells(w) -> dict:
     model, ref = _wrap(_with_adapters("sd3", ("default",)), w), _with_adapters("sd3", ("default",))
     flux, flux_ref = _wrap(_with_adapters("flux", ("default",)), w), _with_adapters("flux", ("default",))
-    _train_step(flux)
-    _train_step(flux_ref)
+    qwen, qwen_ref = _wrap(_with_adapters("qwen_image", ("default",)), w), _with_adapters("qwen_image", ("default",))
+    for trained in (flux, flux_ref, qwen, qwen_ref):
+        _train_step(trained)
     both = ("transformer_blocks.", "single_transformer_blocks.")
     return {
         f"{w}-wrong_prefix": _record(lambda: _collect_cell("sd3", model, ref, True, True, "default", ("blocks.",))),
@@ -356,6 +377,12 @@ def _prefix_cells(w) -> dict:
         ),
         f"{w}-flux_base": _record(
             lambda: _collect_cell("flux", flux, flux_ref, False, False, "default", FLUX_PREFIXES)
+        ),
+        f"{w}-qwen_image_lora": _record(
+            lambda: _collect_cell("qwen_image", qwen, qwen_ref, True, True, "default", SD3_PREFIXES)
+        ),
+        f"{w}-qwen_image_base": _record(
+            lambda: _collect_cell("qwen_image", qwen, qwen_ref, False, False, "default", SD3_PREFIXES)
         ),
     }
 
