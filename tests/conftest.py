@@ -6,14 +6,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# Set before torch loads. pyproject runs the suite in 2 pytest-xdist workers: each takes one
-# core with one torch thread (inherited by the processes a test starts, unless the test sets
-# its own), and waiting threads yield their core instead of spinning: with more threads than
-# cores, spinning slows torch on the CPU by an order of magnitude.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
