@@ -146,12 +146,13 @@ def check_share_actor(cfg: TrainConfig) -> None:
 def check_full_finetuning_sync(cfg: TrainConfig) -> None:
     """Full fine-tuning (`model.lora=null`) sends the whole transformer at every sync; the
     layered walk syncs only a LoRA onto a base already in the engine."""
-    if cfg.model.lora is not None or not cfg.rollout.layered_summon or shares_actor(cfg):
-        return
+    rollout = cfg.rollout
+    if cfg.model.lora is not None or not rollout.layered_summon or (shares_actor(cfg) and rollout.load_base):
+        return  # an engine sampling with the actor is never synced
     raise ConfigError(
         "rollout.layered_summon=true with model.lora=null (full fine-tuning): the layered sync sends only a LoRA "
         "onto the base already in the engine, but with full fine-tuning every sync sends the whole new transformer "
-        f"(rollout.load_base={str(cfg.rollout.load_base).lower()}, rollout.share_actor=false); "
+        f"(here rollout.load_base={str(rollout.load_base).lower()}, rollout.share_actor={str(shares_actor(cfg)).lower()}); "
         "set rollout.layered_summon=false, or train a LoRA (model.lora.rank=...)"
     )
 
