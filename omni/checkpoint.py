@@ -1,7 +1,10 @@
-"""Checkpoints: the LoRA in diffusers' format plus the trainer state, written atomically.
+"""Checkpoints: the trained weights in diffusers' format plus the trainer state, written atomically.
 
 Layout of `<output_dir>/checkpoints/step_000010/`:
-    pytorch_lora_weights.safetensors   loadable by the family's pipeline (`load_lora_weights`)
+    pytorch_lora_weights.safetensors   a LoRA run: loadable by the family's pipeline (`load_lora_weights`)
+    transformer/                       full fine-tuning (`model.lora=null`): the whole transformer,
+                                       diffusion_pytorch_model.safetensors + config.json, loadable
+                                       with `<TransformerClass>.from_pretrained(dir, subfolder="transformer")`
     trainer_state.pt                   step, optimizer state, RNG states
 A checkpoint is written to a temporary directory and renamed into place, and `latest` is
 replaced only after that, so an interrupted save never damages what was already saved.
@@ -11,6 +14,7 @@ directories a killed save leaves behind are cleaned at the next start.
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -22,6 +26,9 @@ import torch
 from omni.atomic import write_directory, write_text
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
+TRANSFORMER_DIR = "transformer"
+TRANSFORMER_FILE = f"{TRANSFORMER_DIR}/diffusion_pytorch_model.safetensors"
+TRANSFORMER_CONFIG = f"{TRANSFORMER_DIR}/config.json"
 STATE_FILE = "trainer_state.pt"
 
 
@@ -44,9 +51,27 @@ def save_lora(directory: Path, lora: Dict[str, torch.Tensor], lora_config, famil
     family.save_lora(directory, lora, metadata)
 
 
-def save_checkpoint(root: Path, step: int, lora: Dict[str, torch.Tensor], lora_config, state: Dict[str, Any], family) -> Path:
+def save_transformer(directory: Path, weights: Dict[str, torch.Tensor], transformer_config: dict) -> None:
+    """The whole transformer as diffusers saves one: its weights (plain state_dict names) and
+    its config, in `directory/transformer/`."""
+    from safetensors.torch import save_file
+
+    (Path(directory) / TRANSFORMER_DIR).mkdir()
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(Path(directory) / TRANSFORMER_FILE))
+    (Path(directory) / TRANSFORMER_CONFIG).write_text(json.dumps(dict(transformer_config), indent=2, sort_keys=True))
+
+
+def save_checkpoint(
+    root: Path, step: int, weights: Dict[str, torch.Tensor], lora_config, state: Dict[str, Any], family, transformer_config: Optional[dict] = None
+) -> Path:
+    """The LoRA (`lora_config` set) or, for full fine-tuning (`lora_config` None), the whole
+    transformer with its `transformer_config`, and the trainer state."""
+
     def write(tmp: Path) -> None:
-        save_lora(tmp, lora, lora_config, family)
+        if lora_config is None:
+            save_transformer(tmp, weights, transformer_config)
+        else:
+            save_lora(tmp, weights, lora_config, family)
         torch.save({"step": step, **state}, tmp / STATE_FILE)
 
     final = write_directory(Path(root) / f"step_{step:06d}", write)
@@ -62,29 +87,47 @@ def step_of(directory: Path) -> int:
     return int(directory.name.removeprefix("step_"))
 
 
-def check_checkpoint(directory: Path, lora_config=None) -> None:
-    """Read a checkpoint's headers without loading its tensors: both files present, the
-    safetensors header readable, the trainer state readable, and (given `lora_config`) the
-    LoRA's rank and targets those of the config. Raises DamagedCheckpoint naming the file."""
+def weights_file(directory: Path) -> Path:
+    """The checkpoint's weights: the LoRA's file, or the whole transformer's when there is one."""
+    full = Path(directory) / TRANSFORMER_FILE
+    return full if full.is_file() else Path(directory) / LORA_FILE
+
+
+def check_checkpoint(directory: Path, model=None) -> None:
+    """Read a checkpoint's headers without loading its tensors: the weights and the state
+    present, the safetensors header readable, the trainer state readable, and (given the
+    run's `model` config) the weights of its kind: a LoRA of `model.lora`'s rank and targets,
+    or the whole transformer when `model.lora` is None. Raises DamagedCheckpoint naming the file."""
     from safetensors import safe_open
 
     directory = Path(directory)
-    lora_file, state_file = directory / LORA_FILE, directory / STATE_FILE
-    for path in (lora_file, state_file):
+    weights, state_file = weights_file(directory), directory / STATE_FILE
+    for path in (weights, state_file):
         if not path.is_file():
-            raise DamagedCheckpoint(f"{path}: missing (a checkpoint holds {LORA_FILE} and {STATE_FILE})")
+            raise DamagedCheckpoint(f"{path}: missing (a checkpoint holds {LORA_FILE} or {TRANSFORMER_FILE}, and {STATE_FILE})")
     try:
-        with safe_open(str(lora_file), framework="pt") as f:
+        with safe_open(str(weights), framework="pt") as f:
             shapes = {key: f.get_slice(key).get_shape() for key in f.keys()}
     except Exception as error:  # safetensors raises its own error types for a bad header
-        raise DamagedCheckpoint(f"{lora_file}: unreadable safetensors ({error})") from None
+        raise DamagedCheckpoint(f"{weights}: unreadable safetensors ({error})") from None
     try:
         state = torch.load(state_file, map_location="cpu", weights_only=False)
         int(state["step"])
     except Exception as error:  # a truncated pickle raises anything from EOFError to UnpicklingError
         raise DamagedCheckpoint(f"{state_file}: unreadable trainer state ({type(error).__name__}: {error})") from None
-    if lora_config is not None:
-        check_lora_matches(lora_file, shapes, lora_config)
+    if model is not None:
+        check_kind(directory, weights, model.lora)
+        if model.lora is not None:
+            check_lora_matches(weights, shapes, model.lora)
+
+
+def check_kind(directory: Path, weights: Path, lora_config) -> None:
+    """A LoRA checkpoint for a LoRA run, a whole transformer for full fine-tuning."""
+    full = weights.name != LORA_FILE
+    if full and lora_config is not None:
+        raise DamagedCheckpoint(f"{directory}: holds a whole transformer (full fine-tuning), but model.lora is set; pass model.lora=null")
+    if not full and lora_config is None:
+        raise DamagedCheckpoint(f"{directory}: holds a LoRA, but model.lora=null (full fine-tuning) trains the whole transformer")
 
 
 def check_lora_matches(lora_file: Path, shapes: Dict[str, list], lora_config) -> None:
@@ -102,7 +145,7 @@ def check_lora_matches(lora_file: Path, shapes: Dict[str, list], lora_config) ->
         )
 
 
-def resumable_checkpoint(root: Path, lora_config=None) -> Tuple[Optional[Path], List[str]]:
+def resumable_checkpoint(root: Path, model=None) -> Tuple[Optional[Path], List[str]]:
     """The newest intact checkpoint under `root` (None if there is none) and, for each newer
     one that is damaged, why it was passed over. `latest` is only a hint: a checkpoint it
     names that is missing or damaged does not hide older intact ones."""
@@ -111,7 +154,7 @@ def resumable_checkpoint(root: Path, lora_config=None) -> Tuple[Optional[Path], 
     skipped = []
     for directory in steps:
         try:
-            check_checkpoint(directory, lora_config)
+            check_checkpoint(directory, model)
             return directory, skipped
         except DamagedCheckpoint as error:
             skipped.append(str(error))
@@ -139,8 +182,13 @@ def clean_interrupted_writes(root: Path) -> List[str]:
 
 
 def load_checkpoint(directory: Path, family):
-    """(PEFT-named LoRA tensors, trainer state) of a checkpoint directory."""
+    """(the trained weights, trainer state) of a checkpoint directory: PEFT-named LoRA
+    tensors, or the whole transformer's under plain state_dict names."""
+    from safetensors.torch import load_file
+
     directory = Path(directory)
     check_checkpoint(directory)
     state = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=False)
+    if (directory / TRANSFORMER_FILE).is_file():
+        return load_file(str(directory / TRANSFORMER_FILE)), state
     return family.load_lora(directory), state

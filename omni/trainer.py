@@ -3,8 +3,9 @@ evaluation on held-out prompts and seeds, logging and checkpoints.
 
 Everything random is a function of (seed, step): the prompts of a step, the seeds of its
 images, the SDE window and the update's shuffling. A resumed run therefore needs only the
-step, the LoRA, the optimizer state and the algorithm's own state (offline DPO's data
-position) to continue exactly.
+step, the trained weights (the LoRA, or the transformer with full fine-tuning), the
+optimizer state and the algorithm's own state (offline DPO's data position) to continue
+exactly.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class Trainer:
     def setup(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.ctx.reward.setup()
-        self.ctx.worker = build_actor_rollout(self.cfg, model_path(self.cfg.model))
+        keep_reference = self.algorithm.uses_reference(self.cfg)
+        self.ctx.worker = build_actor_rollout(self.cfg, model_path(self.cfg.model), keep_reference)
         self.algorithm.setup()
         self.ctx.logger = MetricsLogger(self.cfg, self.output_dir)
         if self.resume_dir is not None:
@@ -90,7 +92,7 @@ class Trainer:
             return Path(resume) if resume else None
         for done in checkpoint.clean_interrupted_writes(self.checkpoint_dir):
             logger.warning("checkpoints: %s (left by an interrupted save)", done)
-        found, skipped = checkpoint.resumable_checkpoint(self.checkpoint_dir, self.cfg.model.lora)
+        found, skipped = checkpoint.resumable_checkpoint(self.checkpoint_dir, self.cfg.model)
         for reason in skipped:
             logger.warning("trainer.resume=auto passes over a damaged checkpoint: %s", reason)
         return found
@@ -177,22 +179,25 @@ class Trainer:
 
     # ----------------------------------------------------------------- checkpoints
     def save_checkpoint(self, step: int) -> Path:
-        """The exported LoRA is the EMA when there is one; the trained LoRA, which training
+        """The trained weights: the LoRA, or the whole transformer with full fine-tuning. The
+        exported LoRA is the EMA when there is one; the trained LoRA, which training
         continues from, then goes into the trainer state."""
         config_yaml = OmegaConf.to_yaml(OmegaConf.structured(self.cfg))
         state = {"optimizer": self.worker.optimizer_state_dict(), "rng": checkpoint.rng_state(), "config": config_yaml,
                  "algorithm": self.algorithm.state_dict()}
-        lora = self.worker.lora_state_dict()
+        weights = self.worker.trained_state_dict()
         if self.ema is not None:
-            state["trained_lora"], lora = lora, self.ema.weights(lora)
-        return checkpoint.save_checkpoint(self.checkpoint_dir, step, lora, self.cfg.model.lora, state, self.family)
+            state["trained_lora"], weights = weights, self.ema.weights(weights)
+        lora = self.cfg.model.lora
+        config = None if lora is not None else self.family.transformer_config(model_path(self.cfg.model))
+        return checkpoint.save_checkpoint(self.checkpoint_dir, step, weights, lora, state, self.family, config)
 
     def load_checkpoint(self, directory: Path) -> None:
         exported, state = checkpoint.load_checkpoint(directory, self.family)
-        lora = state.get("trained_lora", exported)
+        weights = state.get("trained_lora", exported)
         if self.ema is not None and "trained_lora" in state:
             self.ema.update(exported)  # the saved average starts this run's
-        self.worker.load_state(lora, state["optimizer"])
+        self.worker.load_state(weights, state["optimizer"])
         checkpoint.set_rng_state(state["rng"])
         self.start_step = state["step"]
         self.algorithm.load_state_dict(state.get("algorithm", {}), self.start_step)

@@ -134,6 +134,8 @@ def main(argv=None) -> None:
 
     cfg.rollout.engine = Engine(cfg.rollout.engine)
     family = get_family(cfg.model.family)
+    if cfg.model.lora is None:
+        raise SystemExit("model.lora=null: this estimate models a LoRA run; full fine-tuning is not estimated yet")
     lora = OmegaConf.to_object(cfg.model.lora)
     lora.target_modules = lora.target_modules or list(family.lora_targets)
     on_disk = cfg.model.path and Path(cfg.model.path).is_dir()

@@ -5,11 +5,12 @@ import pytest
 import torch
 
 from omni import checkpoint
-from omni.config.model import LoraConfig
+from omni.config.model import LoraConfig, ModelConfig
 from omni.models.sd3 import FAMILY
 from omni.run_lock import RunDirectoryInUse, RunLock
 
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["to_q", "to_k"])
+MODEL = ModelConfig(family="sd3", lora=LORA)  # the run's `model` config a checkpoint is checked against
 
 
 def fake_lora(rank=4, targets=("to_q", "to_k")):
@@ -31,7 +32,7 @@ def test_resume_skips_damaged_and_missing_checkpoints(tmp_path):
     truncated.write_bytes(truncated.read_bytes()[:40])
     (save(tmp_path, 5) / checkpoint.STATE_FILE).write_bytes(b"not a pickle")
     (tmp_path / "latest").write_text("step_000009")  # names one that is gone
-    found, skipped = checkpoint.resumable_checkpoint(tmp_path, LORA)
+    found, skipped = checkpoint.resumable_checkpoint(tmp_path, MODEL)
     assert found == tmp_path / "step_000002"
     assert len(skipped) == 2 and "step_000005/trainer_state.pt" in skipped[0] and "step_000004/pytorch_lora_weights" in skipped[1]
 
@@ -49,7 +50,7 @@ def test_a_damaged_checkpoint_is_never_loaded(tmp_path):
 def test_a_checkpoint_of_another_lora_is_named(tmp_path, lora_kwargs, message):
     directory = save(tmp_path, 1, **lora_kwargs)
     with pytest.raises(checkpoint.DamagedCheckpoint, match=message):
-        checkpoint.check_checkpoint(directory, LORA)
+        checkpoint.check_checkpoint(directory, MODEL)
 
 
 def test_interrupted_saves_are_cleaned_and_an_aside_step_restored(tmp_path):
@@ -58,7 +59,7 @@ def test_interrupted_saves_are_cleaned_and_an_aside_step_restored(tmp_path):
     (tmp_path / "step_000001").rename(tmp_path / ".step_000001.old.x8")  # killed between the renames
     done = checkpoint.clean_interrupted_writes(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000001"]
-    assert len(done) == 2 and checkpoint.resumable_checkpoint(tmp_path, LORA)[0] == tmp_path / "step_000001"
+    assert len(done) == 2 and checkpoint.resumable_checkpoint(tmp_path, MODEL)[0] == tmp_path / "step_000001"
 
 
 def test_a_second_writer_of_a_run_directory_is_refused(tmp_path):

@@ -2,7 +2,7 @@
 
 An algorithm lives in `omni/algorithms/<name>.py` (`algorithm.name`) and defines
 `ALGORITHM`, an `Algorithm` subclass. The driver side: `check_config` (cross-group rules,
-before any model loads), the constructor (reads its data, before any model loads), `setup`
+before any model loads), `uses_reference` (whether it scores under the reference), the constructor (reads its data, before any model loads), `setup`
 (once the worker exists), `step` (one training step -> metrics), `evaluate` (held-out
 metrics of its own), `state_dict` / `load_state_dict` (what a checkpoint keeps, such as a
 data position) and `close`. The worker side: module-level functions `update(worker, batch, seed,
@@ -30,6 +30,12 @@ class Algorithm:
     @classmethod
     def check_config(cls, cfg) -> None:
         """Raise omni.config.errors.ConfigError naming the keys of a rule this config breaks."""
+
+    @classmethod
+    def uses_reference(cls, cfg) -> bool:
+        """Whether the update scores under the reference (`worker.velocity(..., reference=True)`):
+        with full fine-tuning the worker then keeps a frozen copy of the initial transformer."""
+        return False
 
     def setup(self) -> None:
         """Work that needs the worker (e.g. encoding a data set once)."""

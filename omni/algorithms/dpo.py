@@ -205,6 +205,10 @@ def mean_over_chunks(parts) -> Dict[str, float]:
 
 class OfflineDPO(Algorithm):
     @classmethod
+    def uses_reference(cls, cfg) -> bool:
+        return True  # every logit compares the policy's error with the reference's
+
+    @classmethod
     def check_config(cls, cfg) -> None:
         check_dpo(cfg.algorithm)
         data = cfg.data

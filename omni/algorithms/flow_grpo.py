@@ -275,6 +275,10 @@ class FlowGRPO(Algorithm):
         require(cfg.algorithm.clip_range > 0, f"algorithm.clip_range={cfg.algorithm.clip_range} must be positive")
         check_policy_config(cfg)
 
+    @classmethod
+    def uses_reference(cls, cfg) -> bool:
+        return cfg.algorithm.kl_coef > 0  # the KL penalty
+
     def window(self, step: int) -> Tuple[int, int]:
         """Step `step`'s SDE steps [start, stop): all, or Flow-GRPO-Fast's random window."""
         return self.ctx.sde_window(step, self.cfg.algorithm.sde_window_size, self.cfg.algorithm.sde_window_range)

@@ -35,6 +35,10 @@ def best_and_worst(rewards: torch.Tensor, group_size: int, tie_tolerance: float 
 
 class OnlineDPO(Algorithm):
     @classmethod
+    def uses_reference(cls, cfg) -> bool:
+        return True  # Diffusion-DPO's loss, as offline
+
+    @classmethod
     def check_config(cls, cfg) -> None:
         dpo.check_dpo(cfg.algorithm)
         check_groups(cfg.algorithm.group_size, cfg.trainer.batch_size)

@@ -1,4 +1,4 @@
-"""Schema of the `model` group: which transformer, its LoRA and its FSDP sharding."""
+"""Schema of the `model` group: which transformer, its LoRA (or full fine-tuning) and its FSDP sharding."""
 
 from dataclasses import dataclass, field
 from enum import Enum
@@ -45,6 +45,8 @@ class ModelConfig:
     tiny_seed: Optional[int] = None
     # Where tiny models are built and cached ($OMNI_CACHE_DIR when set).
     cache_dir: str = "${oc.env:OMNI_CACHE_DIR,'~/.cache/omni-recipes'}"
+    # With full fine-tuning (lora: null) the trained weights are the model's own: float32
+    # (auto resolves to it; a lower compute dtype is refused at validation).
     dtype: DType = DType.auto
     # Sampling defaults native to the model; the rollout group may override them.
     resolution: int = 512
@@ -57,5 +59,8 @@ class ModelConfig:
     # Recompute each transformer block's activations in the backward pass instead of keeping
     # them (python scripts/estimate_memory.py shows what it saves).
     gradient_checkpointing: bool = False
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    # The adapter that trains; null (`model.lora=null`): full fine-tuning, every parameter of
+    # the transformer trains, and the reference, when the algorithm has one, is a frozen copy
+    # of the initial transformer.
+    lora: Optional[LoraConfig] = field(default_factory=LoraConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

@@ -2,7 +2,7 @@
 
 `validate` converts the composed config once into the schema objects (`TrainConfig` and its
 dataclasses, enums for closed sets), fills what other groups leave to the model family
-(resolution, guidance, LoRA targets), types each reward's options, checks every rule (each
+(resolution, guidance, LoRA targets; float32 for full fine-tuning, `model.lora=null`), types each reward's options, checks every rule (each
 error names the keys involved) and returns the config the run uses.
 """
 
@@ -17,7 +17,8 @@ from omni.algorithms import get_algorithm
 from omni.checkpoint import DamagedCheckpoint, check_checkpoint
 from omni.config import TrainConfig
 from omni.config.errors import ConfigError, require
-from omni.config.rollout import Engine, SDEType
+from omni.config.model import DType
+from omni.config.rollout import Engine, SDEType, shares_actor
 from omni.data.prompts import load_prompts
 from omni.models import get_family
 from omni.models.base import ModelFamily
@@ -55,12 +56,13 @@ def check_model(model) -> ModelFamily:
             prefix in containers,
             f"model.fsdp.layer_prefixes: '{prefix}' names no block container of {family.name}; its blocks are under {containers}",
         )
-    require(model.lora.rank > 0, f"model.lora.rank={model.lora.rank} must be positive")
-    require(bool(model.lora.adapter_name), "model.lora.adapter_name must not be empty")
-    require(len(model.lora.target_modules) > 0, "model.lora.target_modules is empty")
     require(model.fsdp.version in (0, 1, 2), f"model.fsdp.version={model.fsdp.version}: expected 0, 1 or 2")
     require(model.vae_inversion_steps >= 0, f"model.vae_inversion_steps={model.vae_inversion_steps} must be >= 0 (0: the VAE's encoder)")
-    check_lora_targets(model, family)
+    if model.lora is not None:
+        require(model.lora.rank > 0, f"model.lora.rank={model.lora.rank} must be positive")
+        require(bool(model.lora.adapter_name), "model.lora.adapter_name must not be empty")
+        require(len(model.lora.target_modules) > 0, "model.lora.target_modules is empty")
+        check_lora_targets(model, family)
     return family
 
 
@@ -101,6 +103,7 @@ def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
     require(rollout.guidance_scale >= 0, f"rollout.guidance_scale={rollout.guidance_scale} must be >= 0 (1 or less: no CFG)")
     require(rollout.micro_batch_size > 0, "rollout.micro_batch_size must be positive")
     check_share_actor(cfg)
+    check_full_finetuning_sync(cfg)
     require(
         not (rollout.layered_summon and not rollout.load_base),
         "rollout.layered_summon=true needs the base weights already in the engine, but "
@@ -119,8 +122,9 @@ def check_family_settings(cfg: TrainConfig, family: ModelFamily) -> None:
         family.check_settings(config, model, cfg.rollout)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    unused = [name for name in family.unused_modules(config) if name not in model.lora.exclude_modules]
-    model.lora.exclude_modules = [*model.lora.exclude_modules, *unused]
+    if model.lora is not None:
+        unused = [name for name in family.unused_modules(config) if name not in model.lora.exclude_modules]
+        model.lora.exclude_modules = [*model.lora.exclude_modules, *unused]
 
 
 def check_share_actor(cfg: TrainConfig) -> None:
@@ -136,6 +140,37 @@ def check_share_actor(cfg: TrainConfig) -> None:
         f"rollout.share_actor=true with model.fsdp.version={cfg.model.fsdp.version} and trainer.n_workers="
         f"{cfg.trainer.n_workers}: a shared transformer is gathered for sampling with FSDP2 only; "
         "set model.fsdp.version=2 (or 0, a replicated base) or rollout.share_actor=false",
+    )
+
+
+def check_full_finetuning_sync(cfg: TrainConfig) -> None:
+    """Full fine-tuning (`model.lora=null`) sends the whole transformer at every sync; the
+    layered walk syncs only a LoRA onto a base already in the engine."""
+    rollout = cfg.rollout
+    if cfg.model.lora is not None or not rollout.layered_summon or (shares_actor(cfg) and rollout.load_base):
+        return  # an engine sampling with the actor is never synced
+    raise ConfigError(
+        "rollout.layered_summon=true with model.lora=null (full fine-tuning): the layered sync sends only a LoRA "
+        "onto the base already in the engine, but with full fine-tuning every sync sends the whole new transformer "
+        f"(here rollout.load_base={str(rollout.load_base).lower()}, rollout.share_actor={str(shares_actor(cfg)).lower()}); "
+        "set rollout.layered_summon=false, or train a LoRA (model.lora.rank=...)"
+    )
+
+
+def check_full_finetuning(cfg: TrainConfig) -> None:
+    """What full fine-tuning (`model.lora=null`) does not do: compute below fp32 (the trained
+    transformer is its own master copy), or keep an EMA (the average is of a LoRA)."""
+    if cfg.model.lora is not None:
+        return
+    require(
+        cfg.model.dtype == DType.float32,
+        f"model.lora=null (full fine-tuning) with model.dtype={cfg.model.dtype.value}: the whole transformer trains "
+        "and is its own master copy, kept in float32; set model.dtype=float32 (or auto), or train a LoRA",
+    )
+    require(
+        cfg.trainer.ema_decay is None,
+        f"trainer.ema_decay={cfg.trainer.ema_decay} with model.lora=null (full fine-tuning): the EMA averages a LoRA; "
+        "set trainer.ema_decay=null, or train a LoRA",
     )
 
 
@@ -174,7 +209,7 @@ def check_trainer(cfg: TrainConfig) -> None:
     if trainer.resume not in (None, "auto"):
         require(Path(trainer.resume).is_dir(), f"trainer.resume={trainer.resume}: no such checkpoint directory")
         try:
-            check_checkpoint(Path(trainer.resume), cfg.model.lora)
+            check_checkpoint(Path(trainer.resume), cfg.model)
         except DamagedCheckpoint as error:
             raise ConfigError(f"trainer.resume={trainer.resume}: {error}") from None
     check_workers(cfg)
@@ -267,8 +302,11 @@ def resolve(cfg: TrainConfig, family: ModelFamily) -> None:
         cfg.rollout.resolution = cfg.model.resolution
     if cfg.rollout.guidance_scale is None:
         cfg.rollout.guidance_scale = cfg.model.guidance_scale
-    if cfg.model.lora.target_modules is None:
-        cfg.model.lora.target_modules = list(family.lora_targets)
+    lora = cfg.model.lora
+    if lora is not None and lora.target_modules is None:
+        lora.target_modules = list(family.lora_targets)
+    if lora is None and cfg.model.dtype == DType.auto:
+        cfg.model.dtype = DType.float32  # full fine-tuning trains fp32 weights (see check_full_finetuning)
 
 
 def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
@@ -279,6 +317,7 @@ def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
     check_model(cfg.model)
     check_rollout(cfg, family)
     check_trainer(cfg)
+    check_full_finetuning(cfg)
     _lookup(get_algorithm, cfg.algorithm.name).check_config(cfg)
     check_logger(cfg.logger)
     check_rewards(cfg.reward)

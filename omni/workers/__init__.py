@@ -12,16 +12,17 @@ from omni.workers.errors import ResourcesUnavailable, WorkerFailure
 __all__ = ["ResourcesUnavailable", "WorkerFailure", "build_actor_rollout"]
 
 
-def build_actor_rollout(cfg, model_path: str):
-    """A set-up `ActorRolloutWorker` (n_workers=1) or `ActorRolloutGroup` (n_workers > 1)."""
+def build_actor_rollout(cfg, model_path: str, keep_reference: bool = False):
+    """A set-up `ActorRolloutWorker` (n_workers=1) or `ActorRolloutGroup` (n_workers > 1);
+    `keep_reference`: the algorithm scores under the reference (see the worker)."""
     if cfg.trainer.n_workers > 1:
         from omni.workers.ray_group import ActorRolloutGroup
 
-        return ActorRolloutGroup(cfg, model_path)
+        return ActorRolloutGroup(cfg, model_path, keep_reference)
     from omni.workers.actor_rollout import ActorRolloutWorker
 
     check_local_gpus(cfg.trainer)
-    worker = ActorRolloutWorker(cfg, model_path)
+    worker = ActorRolloutWorker(cfg, model_path, keep_reference=keep_reference)
     worker.setup()
     return worker
 

@@ -1,15 +1,22 @@
-"""The actor-rollout worker: the trained transformer (FSDP + PEFT LoRA) and a rollout engine.
+"""The actor-rollout worker: the trained transformer (FSDP + PEFT LoRA, or every parameter
+with full fine-tuning) and a rollout engine.
 
 It is the one place that touches several config groups. It offers an algorithm generic
-primitives: sampling with its engine, the velocity under the policy or the reference (the
-same transformer with its LoRA disabled), backward, the optimizer step, and the weight sync
-that hands the new LoRA to the engine through `omni.fsdp_utils.collect_lora_params`. An
-algorithm's update (`omni.algorithms.<name>.update`) runs on the worker through `train`.
+primitives: sampling with its engine, the velocity under the policy or the reference, backward,
+the optimizer step, and the weight sync that hands the new weights to the engine through
+`omni.fsdp_utils.collect_lora_params`. An algorithm's update (`omni.algorithms.<name>.update`)
+runs on the worker through `train`.
+
+What trains is `model.lora`: a LoRA (the reference is the same transformer with its LoRA
+disabled; a sync sends the LoRA), or, with `model.lora=null`, the whole transformer (the
+reference is a frozen copy of the initial transformer, kept only when the algorithm scores
+under it; a sync sends every weight).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 from typing import Callable, Dict, Sequence
@@ -49,9 +56,13 @@ def adapters_disabled(module: torch.nn.Module):
 
 
 class ActorRolloutWorker:
-    def __init__(self, cfg, model_path: str, rank: int = 0, world_size: int = 1, local_rank: int = 0):
+    def __init__(
+        self, cfg, model_path: str, rank: int = 0, world_size: int = 1, local_rank: int = 0, keep_reference: bool = False
+    ):
         """`rank` and `world_size` place the worker in the actor's process group;
-        `local_rank` is its device index on its machine."""
+        `local_rank` is its device index on its machine. `keep_reference`: the algorithm
+        scores under the reference (`Algorithm.uses_reference`); with full fine-tuning the
+        worker then keeps a frozen copy of the initial transformer (a LoRA run needs none)."""
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.device = pick_device(cfg.trainer.device, local_rank)
@@ -59,7 +70,9 @@ class ActorRolloutWorker:
         self.model_path = model_path
         self.family = get_family(cfg.model.family)
         self.lora_cfg = cfg.model.lora
-        self.base_synced = False
+        self.full_finetuning = self.lora_cfg is None
+        self.keep_reference = keep_reference
+        self.reference = None  # the frozen initial transformer (full fine-tuning with a reference)
 
     # ----------------------------------------------------------------- set-up
     def setup(self) -> None:
@@ -69,40 +82,55 @@ class ActorRolloutWorker:
             init_process_group(self.rank, self.world_size, self.device)
         torch.manual_seed(self.cfg.seed)
         actor = self.family.load_transformer(self.model_path, self.dtype, self.device)
-        actor.requires_grad_(False)
-        add_lora_adapter(actor, self.lora_cfg)
+        prefixes = self.cfg.model.fsdp.layer_prefixes
+        if self.full_finetuning:
+            if self.keep_reference:
+                reference = copy.deepcopy(actor).requires_grad_(False).eval()
+                self.reference = wrap_fsdp(reference, fsdp_version, prefixes, self.device, self.dtype)
+            actor.requires_grad_(True)
+        else:
+            actor.requires_grad_(False)
+            add_lora_adapter(actor, self.lora_cfg)
         if self.cfg.model.gradient_checkpointing:
             actor.enable_gradient_checkpointing()  # per block, before FSDP wraps the blocks
-        self.actor = wrap_fsdp(actor, fsdp_version, self.cfg.model.fsdp.layer_prefixes, self.device, self.dtype)
+        self.actor = wrap_fsdp(actor, fsdp_version, prefixes, self.device, self.dtype)
         self.trainable = [p for p in self.actor.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.trainable, lr=self.cfg.trainer.lr, weight_decay=self.cfg.trainer.weight_decay
         )
         shared = self.actor if shares_actor(self.cfg) else None
         self.engine = build_engine(self.cfg, self.family, self.model_path, self.device, self.dtype, actor=shared)
-        self.sync_weights()
+        if not (self.full_finetuning and self.engine.has_base):  # else it loaded these very weights
+            self.sync_weights()
 
     # ----------------------------------------------------------------- sync
     def sync_weights(self) -> Dict[str, float]:
-        """Push the actor's weights into the engine: the base first if the engine has none,
-        then the LoRA of the configured adapter. An engine sampling with the actor's own
-        transformer needs none."""
+        """Push the actor's weights into the engine: with a LoRA, the base first if the
+        engine has none, then the LoRA of the configured adapter; with full fine-tuning, the
+        whole transformer every time. An engine sampling with the actor's own transformer
+        needs none."""
         start = time.perf_counter()
         sent = 0
         if self.engine.shares_actor:
             return {"sync/seconds": 0.0, "sync/megabytes": 0.0}
-        for base_sync_done in ([False, True] if not self.engine.has_base else [True]):
+        for base_sync_done in self._sync_kinds():
             tensors = collect_lora_params(
                 self.actor,
                 layered_summon=self.cfg.rollout.layered_summon and base_sync_done,
                 base_sync_done=base_sync_done,
                 is_diffusers=True,
-                adapter_name=self.lora_cfg.adapter_name,
+                adapter_name=self.lora_cfg.adapter_name if self.lora_cfg else "default",
                 layer_prefixes=tuple(self.cfg.model.fsdp.layer_prefixes),
             )
             self.engine.update_weights(tensors, base_sync_done=base_sync_done, lora=self.lora_cfg)
             sent += sum(t.numel() * t.element_size() for t in tensors.values())
         return {"sync/seconds": time.perf_counter() - start, "sync/megabytes": sent / 2**20}
+
+    def _sync_kinds(self) -> Sequence[bool]:
+        """`base_sync_done` of each collection a sync sends (False: the base weights)."""
+        if self.full_finetuning:
+            return [False]
+        return [False, True] if not self.engine.has_base else [True]
 
     def lora_state_dict(self) -> Dict[str, torch.Tensor]:
         """Whole LoRA tensors in PEFT naming (for checkpoints and export)."""
@@ -114,6 +142,13 @@ class ActorRolloutWorker:
             adapter_name=self.lora_cfg.adapter_name,
             layer_prefixes=tuple(self.cfg.model.fsdp.layer_prefixes),
         )
+
+    def trained_state_dict(self) -> Dict[str, torch.Tensor]:
+        """What trains, as whole CPU tensors: the LoRA (PEFT names) or, with full
+        fine-tuning, the whole transformer (its plain state_dict names)."""
+        if not self.full_finetuning:
+            return self.lora_state_dict()
+        return collect_lora_params(self.actor, layered_summon=False, base_sync_done=False, is_diffusers=True)
 
     # ----------------------------------------------------------------- state
     def optimizer_state_dict(self) -> dict:
@@ -137,11 +172,22 @@ class ActorRolloutWorker:
         if sync:
             self.sync_weights()
 
-    def load_state(self, lora: Dict[str, torch.Tensor], optimizer_state: dict) -> None:
-        """Restore the LoRA (PEFT names) and the optimizer, then sync the engine."""
+    def load_transformer(self, weights: Dict[str, torch.Tensor]) -> None:
+        """Full fine-tuning: set every weight of the actor (plain names, as
+        `trained_state_dict` returns them); strict, so a missing or stray name is an error."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(self.actor, weights, options=StateDictOptions(full_state_dict=True, strict=True))
+
+    def load_state(self, weights: Dict[str, torch.Tensor], optimizer_state: dict) -> None:
+        """Restore the trained weights (as `trained_state_dict` returns them) and the
+        optimizer, then sync the engine. The reference stays the initial transformer."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        self.load_lora(lora, sync=False)
+        if self.full_finetuning:
+            self.load_transformer(weights)
+        else:
+            self.load_lora(weights, sync=False)
         set_optimizer_state_dict(self.actor, self.optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))
         self.sync_weights()
 
@@ -162,15 +208,30 @@ class ActorRolloutWorker:
         return tensor.to(self.device, torch.float32)
 
     def velocity(self, latents, sigmas, cond: Conditioning, guidance_scale: float, reference: bool = False) -> torch.Tensor:
-        """The actor's velocity (with gradients), or the reference's (adapters disabled, no
+        """The actor's velocity (with gradients), or the reference's (`reference_model`, no
         gradients), in fp32; inputs already on the device (`to_device`), cast here to the
         transformer's compute dtype."""
         latents, sigmas = latents.to(self.dtype), sigmas.to(self.device)
         cond = cond.apply(lambda t: t.to(self.dtype))
         if not reference:
             return self.family.predict_velocity(self.actor, latents, sigmas, cond, guidance_scale)
-        with torch.no_grad(), adapters_disabled(self.actor):
-            return self.family.predict_velocity(self.actor, latents, sigmas, cond, guidance_scale)
+        with torch.no_grad(), self.reference_model() as model:
+            return self.family.predict_velocity(model, latents, sigmas, cond, guidance_scale)
+
+    @contextlib.contextmanager
+    def reference_model(self):
+        """The reference policy, the one place it is chosen: the actor with its LoRA disabled,
+        or with full fine-tuning the frozen copy of the initial transformer."""
+        if not self.full_finetuning:
+            with adapters_disabled(self.actor):
+                yield self.actor
+            return
+        if self.reference is None:
+            raise RuntimeError(
+                "the reference was asked for, but with model.lora=null this worker keeps no copy of the initial "
+                "transformer: the algorithm's `uses_reference` must say it scores under the reference"
+            )
+        yield self.reference
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

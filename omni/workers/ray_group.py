@@ -38,10 +38,10 @@ SHUTDOWN_TIMEOUT_S = 60
 class RayActorRolloutWorker(Worker):
     """One `ActorRolloutWorker` in a Ray actor; rank and world size come from verl's group."""
 
-    def __init__(self, cfg, model_path: str):
+    def __init__(self, cfg, model_path: str, keep_reference: bool = False):
         super().__init__()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # Ray shows each actor its own GPU only
-        self.worker = ActorRolloutWorker(cfg, model_path, self.rank, self.world_size, local_rank)
+        self.worker = ActorRolloutWorker(cfg, model_path, self.rank, self.world_size, local_rank, keep_reference)
         self.updates = 0
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
@@ -73,13 +73,18 @@ class RayActorRolloutWorker(Worker):
         return lora if self.rank == 0 else None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def trained_state_dict(self):
+        weights = self.worker.trained_state_dict()
+        return weights if self.rank == 0 else None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def optimizer_state_dict(self):
         state = self.worker.optimizer_state_dict()
         return state if self.rank == 0 else None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def load_state(self, lora: Dict[str, torch.Tensor], optimizer_state: dict) -> None:
-        self.worker.load_state(lora, optimizer_state)
+    def load_state(self, weights: Dict[str, torch.Tensor], optimizer_state: dict) -> None:
+        self.worker.load_state(weights, optimizer_state)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def load_lora(self, lora: Dict[str, torch.Tensor]) -> None:
@@ -101,8 +106,9 @@ class RayActorRolloutWorker(Worker):
 class ActorRolloutGroup:
     """`trainer.n_workers` workers on Ray, with the methods of one `ActorRolloutWorker`."""
 
-    def __init__(self, cfg, model_path: str):
+    def __init__(self, cfg, model_path: str, keep_reference: bool = False):
         self.cfg = cfg
+        self.keep_reference = keep_reference
         self.workers: RayWorkerGroup | None = None
         self.placement_groups: list = []
         self.connected = ray_cluster.connect(cfg.trainer.ray_address)
@@ -122,7 +128,7 @@ class ActorRolloutGroup:
         cfg = copy.deepcopy(self.cfg)
         if not layout.use_gpu:
             cfg.trainer.device = "cpu"  # "auto" must not pick a GPU that Ray did not reserve
-        worker_class = RayClassWithInitArgs(ray.remote(RayActorRolloutWorker), cfg, model_path)
+        worker_class = RayClassWithInitArgs(ray.remote(RayActorRolloutWorker), cfg, model_path, self.keep_reference)
         crash_hook = {CRASH_HOOK_ENV: os.environ[CRASH_HOOK_ENV]} if CRASH_HOOK_ENV in os.environ else {}
         device = "cuda" if layout.use_gpu else "cpu"
         return RayWorkerGroup(pool, worker_class, name_prefix="omni_", device_name=device, worker_env=crash_hook)
@@ -193,12 +199,15 @@ class ActorRolloutGroup:
     def lora_state_dict(self) -> Dict[str, torch.Tensor]:
         return self._gather("lora_state_dict", self.workers.lora_state_dict())[0]
 
+    def trained_state_dict(self) -> Dict[str, torch.Tensor]:
+        return self._gather("trained_state_dict", self.workers.trained_state_dict())[0]
+
     def optimizer_state_dict(self) -> dict:
         return self._gather("optimizer_state_dict", self.workers.optimizer_state_dict())[0]
 
-    def load_state(self, lora: Dict[str, torch.Tensor], optimizer_state: dict) -> None:
+    def load_state(self, weights: Dict[str, torch.Tensor], optimizer_state: dict) -> None:
         # one copy in the object store for all workers
-        self._gather("load_state", self.workers.load_state(ray.put(lora), ray.put(optimizer_state)))
+        self._gather("load_state", self.workers.load_state(ray.put(weights), ray.put(optimizer_state)))
 
     def load_lora(self, lora: Dict[str, torch.Tensor]) -> None:
         self._gather("load_lora", self.workers.load_lora(ray.put(lora)))

@@ -51,6 +51,11 @@ BAD = [
     (["algorithm=dpo", "data=pairs", "data.pairs=/nonexistent/pairs.jsonl"], "data.pairs=/nonexistent/pairs.jsonl"),
     (["algorithm=dpo", "data=pairs", "data.pairs=/tmp", "data.num_workers=-1"], "data.num_workers=-1"),
     (["algorithm=dpo", "data=pairs", "data.pairs=/tmp", "data.latent_cache=/etc/passwd"], "data.latent_cache=/etc/passwd"),
+    # full fine-tuning: every sync sends the whole transformer, which the layered walk does not
+    (["model.lora=null", "rollout.layered_summon=true", "rollout.load_base=false"], "model.lora=null (full fine-tuning): the layered"),
+    (["model.lora=null", "rollout.layered_summon=true", "rollout.share_actor=false"], "rollout.layered_summon=true with model.lora=null"),
+    (["model.lora=null", "model.dtype=bfloat16"], "model.lora=null (full fine-tuning) with model.dtype=bfloat16"),
+    (["model.lora=null", "trainer.ema_decay=0.9"], "trainer.ema_decay=0.9 with model.lora=null"),
 ]
 
 
@@ -104,6 +109,8 @@ def test_damaged_resume_directory_is_named_before_loading(tmp_path, tiny_cache):
     validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.resume={saved}"]))
     with pytest.raises(ConfigError, match="trainer.resume=.*rank \\[8\\], but model.lora.rank=4"):
         validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.resume={saved}", "model.lora.rank=4"]))
+    with pytest.raises(ConfigError, match="trainer.resume=.*holds a LoRA, but model.lora=null"):
+        validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.resume={saved}", "model.lora=null"]))
     (saved / checkpoint.STATE_FILE).write_bytes(b"\x80")
     with pytest.raises(ConfigError, match="step_000003/trainer_state.pt: unreadable trainer state"):
         validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.resume={saved}"]))
@@ -143,6 +150,15 @@ def test_validated_config_is_typed(tiny_cache):
     with pytest.raises(Exception):
         cfg.trainer.no_such_key  # a dataclass, not a dict: a misspelt key is an error
     assert list(cfg.model.lora.target_modules) == ["to_q", "to_k", "to_v", "to_out.0"]  # the family's default
+
+
+def test_full_finetuning_validates_in_float32(tiny_cache):
+    """model.lora=null: no LoRA to check, the weights train in float32; an engine sharing the
+    actor syncs nothing, so rollout.layered_summon does not matter there."""
+    from omni.config.model import DType
+
+    cfg = validate(compose_config([f"model.cache_dir={tiny_cache}", "model.lora=null", "rollout.layered_summon=true"]))
+    assert cfg.model.lora is None and cfg.model.dtype is DType.float32
 
 
 def test_validation_builds_no_model(tmp_path, monkeypatch):

@@ -126,13 +126,20 @@ def test_engine_that_dies_at_start_shows_its_log(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "overrides, syncs_at_setup",
-    [(["rollout.load_base=false"], ["base", "lora"]), (["rollout.load_base=true", "rollout.layered_summon=true"], ["lora"])],
-    ids=["base_from_sync", "layered_summon"],
+    "overrides, syncs_at_setup, sync",
+    [
+        (["rollout.load_base=false"], ["base", "lora"], "lora"),
+        (["rollout.load_base=true", "rollout.layered_summon=true"], ["lora"], "lora"),
+        # slow lane: the worker's full sync is the in-process engine's (tests/workers), the
+        # base's transport the case above; this joins them through the engine process
+        pytest.param(["model.lora=null"], [], "base", marks=pytest.mark.slow),
+    ],
+    ids=["base_from_sync", "layered_summon", "full_finetuning"],
 )
-def test_worker_syncs_into_the_engine_process_and_rescores_exactly(overrides, syncs_at_setup, tiny_cache, tmp_path, monkeypatch):
+def test_worker_syncs_into_the_engine_process_and_rescores_exactly(overrides, syncs_at_setup, sync, tiny_cache, tmp_path, monkeypatch):
     """The worker's contract with a vLLM engine: the base first only when the engine started
-    without it, LoRA after; the actor re-scores the engine's trajectories exactly."""
+    without it, LoRA after (with full fine-tuning: the whole transformer at every sync, none
+    at set-up when the engine loaded it); the actor re-scores the engine's trajectories exactly."""
     from omni.rollout import vllm_engine
     from omni.trainer import model_path
     from omni.workers.actor_rollout import ActorRolloutWorker
@@ -151,7 +158,7 @@ def test_worker_syncs_into_the_engine_process_and_rescores_exactly(overrides, sy
             for p in worker.trainable:
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
         worker.sync_weights()
-        assert written[-1] == "lora"
+        assert written[-1] == sync
         steps = cfg.rollout.num_steps
         opts = options(num_steps=steps, resolution=cfg.rollout.resolution, guidance_scale=cfg.rollout.guidance_scale, sde_steps=(0, steps))
         batch = worker.generate(PROMPTS, SEEDS, opts)

@@ -55,6 +55,8 @@ MODELS = {
     "sd3-replicated": ["model.fsdp.version=0"],
     "flux-layered": ["model=flux_tiny", "rollout.share_actor=false", "rollout.layered_summon=true"],
     "qwen_image-fsdp1": ["model=qwen_image_tiny", "model.guidance_scale=2.0", "model.fsdp.version=1", "rollout.share_actor=false"],
+    # every weight trains (FSDP2 shards them all) and every sync sends the whole transformer
+    "sd3-full": ["model.lora=null", "rollout.share_actor=false", "rollout.num_steps=4"],
 }
 
 
@@ -62,27 +64,27 @@ MODELS = {
 def test_two_workers_match_one_worker(model, tiny_cache, tmp_path):
     """Same prompts and seeds: the 2-worker rollout is the 1-worker one image by image; the
     update of the same batch (2 minibatches over 2 gloo ranks; FSDP2, or a replicated base
-    with the LoRA gradients all-reduced) gives the same LoRA and gradient norm; after the
-    update (and the weight sync, for an engine with its own copy) both workers sample with
-    the new LoRA."""
+    with the LoRA gradients all-reduced) gives the same LoRA (or, with full fine-tuning, the
+    same transformer) and gradient norm; after the update (and the weight sync, for an engine
+    with its own copy) both workers sample with the new weights."""
     cfg, one = build(1, tiny_cache, tmp_path, *MODELS[model])
     prompts = ["a red cat"] * 4 + ["a blue dog"] * 4
     seeds = step_seeds(0, 0, len(prompts))
     batch = one.generate(prompts, seeds, sampling(cfg, 0))
     advantages = flow_grpo.group_advantages(torch.linspace(0, 1, len(prompts)) ** 2, 4)
-    initial_lora = one.lora_state_dict()
+    initial_lora = one.trained_state_dict()
     one_metrics = one.train(flow_grpo.update, flow_grpo.GRPOBatch(batch, advantages), seed=7)
-    one_lora = one.lora_state_dict()
+    one_lora = one.trained_state_dict()
     one.sync_weights()
     one_after = one.generate(prompts, seeds, sampling(cfg, 1))
     one.shutdown()
 
     _, two = build(2, tiny_cache, tmp_path, *MODELS[model])
     try:
-        assert max_difference(two.lora_state_dict(), initial_lora) == 0
+        assert max_difference(two.trained_state_dict(), initial_lora) == 0
         two_batch = two.generate(prompts, seeds, sampling(cfg, 0))
         two_metrics = two.train(flow_grpo.update, flow_grpo.GRPOBatch(batch, advantages), seed=7)
-        two_lora = two.lora_state_dict()
+        two_lora = two.trained_state_dict()
         two.sync_weights()
         two_after = two.generate(prompts, seeds, sampling(cfg, 1))
     finally:
