@@ -28,14 +28,12 @@ def test_dpm2_changes_only_the_ode_steps_after_the_window(diffusers_engine):
 
 
 def test_the_solver_does_not_matter_without_a_second_order_step(diffusers_engine):
-    """Every step an SDE step (plain Flow-GRPO), or window [2, 4) of 6, where each ODE step is
-    first order (step 0 has no history, step 1's history is at sigma 1, step 4 follows an SDE
-    step, step 5 lands on sigma 0): euler and dpm2 give the same rollout, bit for bit. The
-    default solver is euler."""
+    """Window [2, 4) of 6, where each ODE step is first order (step 0 has no history, step 1's
+    history is at sigma 1, step 4 follows an SDE step, step 5 lands on sigma 0): euler and dpm2
+    give the same rollout, bit for bit. The default solver is euler."""
     assert options().ode_solver == "euler"
-    for window in ((0, 6), (2, 4)):
-        euler = sample(diffusers_engine, sde_steps=window)
-        assert torch.equal(sample(diffusers_engine, sde_steps=window, ode_solver="dpm2").latents, euler.latents), window
+    euler = sample(diffusers_engine, sde_steps=(2, 4))
+    assert torch.equal(sample(diffusers_engine, sde_steps=(2, 4), ode_solver="dpm2").latents, euler.latents)
 
 
 def test_stored_window_rescores_to_its_log_probs(diffusers_engine):
