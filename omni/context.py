@@ -55,6 +55,7 @@ class StepContext:
             max_sequence_length=self.cfg.model.max_sequence_length,
             sde_steps=sde_steps,
             sde_type=rollout.sde_type.value,
+            ode_solver=rollout.ode_solver.value,
         )
 
     def sample_and_score(

@@ -36,6 +36,7 @@ VARIANTS: Dict[str, List[str]] = {
     "grpo_guard": ["algorithm=grpo_guard"],
     "flow_dppo": ["algorithm=flow_dppo"],
     "mix_grpo": ["algorithm=mix_grpo"],
+    "mix_grpo_flash": ["algorithm=mix_grpo_flash"],
     "diffusion_nft": ["algorithm=diffusion_nft"],
     "flow_grpo sde_type=cps": ["rollout.sde_type=cps"],
     "grpo_guard sde_type=cps": ["algorithm=grpo_guard", "rollout.sde_type=cps"],

@@ -8,10 +8,14 @@ where most of the image is decided, are optimised first.
 
     start(step) = min((step // shift_interval) * window_stride, stochastic steps - sde_window_size)
 
-(The paper's Flash variant also replaces the ODE steps after the window by a higher-order
-solver; here every ODE step is Euler's.)
+MixGRPO-Flash, the paper's faster variant, takes the ODE steps outside the window with a
+higher-order solver: here `rollout.ode_solver=dpm2`, DPM-Solver++(2M) (Lu et al. 2022,
+arXiv:2211.01095; the formula is in omni/rollout/ode.py), and `algorithm=mix_grpo_flash` is
+this algorithm with that solver. The window's SDE steps, their log-probs and the update are
+the same; the ODE steps carry no log-prob and are not trained.
 
     python recipes/train.py algorithm=mix_grpo
+    python recipes/train.py algorithm=mix_grpo_flash   # = algorithm=mix_grpo rollout.ode_solver=dpm2
 """
 
 from __future__ import annotations

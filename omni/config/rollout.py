@@ -26,6 +26,13 @@ class SDEType(str, Enum):
     cps = "cps"  # Coefficients-Preserving Sampling: DDIM's noise coefficients kept
 
 
+class ODESolverType(str, Enum):
+    """The solver of the deterministic (ODE) sampling steps (omni/rollout/ode.py)."""
+
+    euler = "euler"  # first order
+    dpm2 = "dpm2"  # DPM-Solver++(2M), multistep second order: MixGRPO-Flash's ODE steps
+
+
 @dataclass
 class RolloutConfig:
     engine: Engine = MISSING
@@ -38,6 +45,9 @@ class RolloutConfig:
     # Its noise scale: a in sigma_t = a * sqrt(t / (1 - t)) for sde; eta in (0, 1] for cps,
     # whose step to t' has std t' sin(eta pi / 2).
     noise_level: float = 0.7
+    # The solver of every ODE step: outside an SDE window, and every step of ODE sampling
+    # (evaluation, DiffusionNFT's and online DPO's rollouts). See ODESolverType.
+    ode_solver: ODESolverType = ODESolverType.euler
     # Images per engine forward pass.
     micro_batch_size: int = 16
     # The engine loads the base weights itself at start (else the first sync sends them).

@@ -28,6 +28,8 @@ class SamplingOptions:
     sde_steps: Tuple[int, int]
     # The stochastic step: "sde" (Flow-GRPO) or "cps" (omni.rollout.sde).
     sde_type: str = "sde"
+    # The solver of the ODE steps: "euler" or "dpm2" (omni.rollout.ode).
+    ode_solver: str = "euler"
 
 
 @dataclass

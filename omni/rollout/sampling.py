@@ -1,9 +1,11 @@
 """The Flow-GRPO rollout sampler shared by every engine (in-process diffusers, vLLM-Omni).
 
 Given a model family and its diffusers pipeline, it samples images with SDE steps (Flow-GRPO's,
-or coefficients-preserving ones: `SamplingOptions.sde_type`) and
-returns what the actor needs to re-score them. Both engines call `sample_rollout`, so they
-produce the same latents and log-probs for the same weights, prompts and seeds.
+or coefficients-preserving ones: `SamplingOptions.sde_type`) inside the SDE window and ODE
+steps elsewhere (Euler's or DPM-Solver++(2M)'s: `SamplingOptions.ode_solver`), and
+returns what the actor needs to re-score them (the SDE steps; ODE steps have log-prob 0).
+Both engines call `sample_rollout`, so they produce the same latents and log-probs for the
+same weights, prompts and seeds.
 
 Randomness is per image: image i draws its initial latent and every step's noise from a
 generator seeded with seeds[i], so an image does not depend on how the batch is split
@@ -24,7 +26,8 @@ import torch
 
 from omni.models.base import Conditioning, ModelFamily
 from omni.rollout.base import RolloutBatch, SamplingOptions
-from omni.rollout.sde import is_noisy_step, ode_step, sde_step
+from omni.rollout.ode import ODESolver
+from omni.rollout.sde import is_noisy_step, sde_step
 
 
 class PromptCache:
@@ -98,6 +101,7 @@ def sample_trajectories(
     trajectory, log_probs = [x], []
     start, stop = options.sde_steps
     sigma_max = float(sigmas[1])
+    ode = ODESolver(options.ode_solver)
     for i in range(options.num_steps):
         sigma = sigmas[i].expand(len(seeds)).to(device)
         velocity = family.predict_velocity(transformer, x.to(dtype), sigma, cond, options.guidance_scale)
@@ -105,8 +109,9 @@ def sample_trajectories(
             x, log_prob, _, _ = sde_step(
                 velocity, x, sigmas[i], sigmas[i + 1], sigma_max, options.noise_level, noise=draw(), sde_type=options.sde_type
             )
+            ode.reset()  # the next ODE step starts from where the SDE left the latent, without history
         else:
-            x, log_prob = ode_step(velocity, x, sigmas[i], sigmas[i + 1]), torch.zeros(len(seeds), device=device)
+            x, log_prob = ode.step(velocity, x, sigmas[i], sigmas[i + 1]), torch.zeros(len(seeds), device=device)
         trajectory.append(x)
         log_probs.append(log_prob)
     images = family.decode(pipe, x, options.resolution)

@@ -4,8 +4,9 @@ The engine process submits one vLLM-Omni request per image; vLLM-Omni co-batches
 compatible requests (up to `max_num_seqs`) into one call of our pipeline's `forward`.
 
 - request: the prompt as an `OmniTextPrompt` dict; `OmniDiffusionSamplingParams` fields
-  for steps, size, guidance, text length and the image's seed; our SDE options (noise
-  level, SDE window) under `extra_args["omni_rollout"]`, the params' free-form slot.
+  for steps, size, guidance, text length and the image's seed; our sampler's options (noise
+  level, SDE window and step, ODE solver) under `extra_args["omni_rollout"]`, the params'
+  free-form slot.
 - answer (`DiffusionOutput` fields): the image as the output payload, the latent
   trajectory, per-step log-probs and noise levels in the `trajectory_*` fields vLLM-Omni
   keeps for RL, and the text embeddings in an `omni_rollout` metadata group (vLLM-Omni
@@ -41,7 +42,14 @@ def request_inputs(prompt: str, seed: int, options: SamplingOptions) -> Tuple[Di
         max_sequence_length=options.max_sequence_length,
         seed=int(seed),
         num_outputs_per_prompt=1,
-        extra_args={ROLLOUT_KEY: {"noise_level": options.noise_level, "sde_steps": list(options.sde_steps), "sde_type": options.sde_type}},
+        extra_args={
+            ROLLOUT_KEY: {
+                "noise_level": options.noise_level,
+                "sde_steps": list(options.sde_steps),
+                "sde_type": options.sde_type,
+                "ode_solver": options.ode_solver,
+            }
+        },
     )
     return {"prompt": prompt}, sampling
 
@@ -62,6 +70,7 @@ def options_from_sampling_params(params) -> SamplingOptions:
         max_sequence_length=int(params.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH),
         sde_steps=tuple(ours.get("sde_steps", (0, 0))),
         sde_type=str(ours.get("sde_type", "sde")),
+        ode_solver=str(ours.get("ode_solver", "euler")),
     )
 
 

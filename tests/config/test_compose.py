@@ -122,6 +122,16 @@ def test_algorithm_schema_is_specific():
     assert list(cfg.algorithm.sde_window_range) == [0, 5]
 
 
+def test_mix_grpo_flash_is_mix_grpo_with_the_dpm2_solver(tmp_path):
+    """The preset sets the rollout's ODE solver (the command line still overrides it) and is
+    otherwise MixGRPO, model pair preset included."""
+    flash = validate(compose_config(["algorithm=mix_grpo_flash"], tmp_path))
+    assert flash == validate(compose_config(["algorithm=mix_grpo", "rollout.ode_solver=dpm2"], tmp_path))
+    assert flash.rollout.ode_solver.value == "dpm2" and flash.algorithm.name == "mix_grpo" and flash.trainer.lr == 1e-2
+    assert validate(compose_config(["algorithm=mix_grpo"], tmp_path)).rollout.ode_solver.value == "euler"
+    assert compose_config(["algorithm=mix_grpo_flash", "rollout.ode_solver=euler"], tmp_path).rollout.ode_solver == "euler"
+
+
 def test_cfg_job_prints_the_composed_config():
     out = subprocess.run(
         [sys.executable, "recipes/train.py", "--cfg", "job", "algorithm=flow_grpo_fast", "reward=multi"],

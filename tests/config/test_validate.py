@@ -63,6 +63,7 @@ BAD = [
 BAD_AT_COMPOSITION = [
     (["model.dtype=float64"], "model.dtype"),
     (["rollout.engine=sglang"], "rollout.engine"),
+    (["algorithm=mix_grpo_flash", "rollout.ode_solver=rk4"], "rollout.ode_solver"),
     (["logger.backends=[console,mlflow]"], "logger.backends"),
     (["algorithm=dpo", "algorithm.sigma_sampling=normal"], "algorithm.sigma_sampling"),
     (["rollout.options.url=http://x"], "options"),

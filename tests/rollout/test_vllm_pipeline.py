@@ -24,6 +24,8 @@ CASES = {
     "flow_grpo": options(),
     "cfg": options(guidance_scale=3.0),
     "sde_window": options(sde_steps=(1, 3)),
+    # MixGRPO-Flash: steps 2 and 3 are DPM-Solver++(2M)'s second-order ODE steps
+    "dpm2_after_window": options(num_steps=5, sde_steps=(0, 1), ode_solver="dpm2"),
 }
 
 
@@ -112,6 +114,8 @@ def test_request_round_trips_the_options():
     assert options_from_sampling_params(SimpleNamespace(**sampling)) == opts
     cps = options(noise_level=0.5, sde_steps=(0, 3), sde_type="cps")  # the engine samples the same step
     assert options_from_sampling_params(SimpleNamespace(**request_inputs("a cat", 1, cps)[1])) == cps
+    flash = options(sde_steps=(0, 2), ode_solver="dpm2")  # and the same ODE steps
+    assert options_from_sampling_params(SimpleNamespace(**request_inputs("a cat", 1, flash)[1])) == flash
 
 
 def test_warm_up_request_without_our_options_samples_ode(tiny_sd3_dir):
