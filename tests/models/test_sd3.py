@@ -72,9 +72,9 @@ def test_two_builds_in_separate_processes_are_identical_files(tmp_path):
     import subprocess
     import sys
 
-    for name in ("a", "b"):
-        code = f"from omni.models.sd3 import write_tiny_sd3; write_tiny_sd3({str(tmp_path / name)!r}, 0)"
-        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    code = "import sys; from omni.models.sd3 import write_tiny_sd3; write_tiny_sd3(sys.argv[1], 0)"
+    builds = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / name)]) for name in ("a", "b")]
+    assert [b.wait() for b in builds] == [0, 0]
     files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
     assert files and files == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
     for f in files:

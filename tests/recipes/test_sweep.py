@@ -11,7 +11,9 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-SHORT = ["trainer.steps=1", "trainer.batch_size=8", "algorithm.group_size=4", "trainer.eval_images_per_prompt=1"]
+SHORT = [
+    "trainer.steps=1", "trainer.batch_size=8", "algorithm.group_size=4", "trainer.eval_images_per_prompt=1", "rollout.num_steps=4",
+]  # fmt: skip
 
 
 def sweep(sweep_dir, cache, *overrides, timeout=600):

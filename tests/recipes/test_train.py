@@ -54,9 +54,9 @@ def train_in_parallel(runs, cache, timeout=900):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
 def test_default_run_raises_held_out_reward(seed, tmp_path, tiny_cache):
-    """The README's default run, as is, for several seeds and with 1 and 2 OpenMP threads
+    """The README's default run, as is, for two seeds and with 1 and 2 OpenMP threads
     (different reduction orders stand in for other machines): the held-out reward rises in
     a paired comparison (same prompts and seeds) with t > 3 every time."""
     runs = {tmp_path / f"threads{n}": (n, [f"seed={seed}"]) for n in (1, 2)}
@@ -131,14 +131,20 @@ BAD_INPUT = {
 }
 
 
-@pytest.mark.parametrize("case", BAD_INPUT)
-def test_bad_input_fails_before_loading(case, tmp_path, tiny_cache):
-    overrides, message = BAD_INPUT[case]
-    result = train(tmp_path / "bad", tiny_cache, *overrides, check=False)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0 and message in output
-    assert "Loading pipeline components" not in output
-    assert not (tmp_path / "bad" / "checkpoints").exists()
+def test_bad_input_fails_before_loading(tmp_path, tiny_cache):
+    """Each case in its own CLI process, all started at once (they stop before any model loads)."""
+    running = {}
+    for i, (case, (overrides, _)) in enumerate(BAD_INPUT.items()):
+        command = [
+            sys.executable, "recipes/train.py", f"hydra.run.dir={tmp_path / str(i)}", f"model.cache_dir={tiny_cache}",
+            "trainer.progress_bar=false", *overrides,
+        ]  # fmt: skip
+        running[case] = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for i, (case, process) in enumerate(running.items()):
+        output, _ = process.communicate(timeout=300)
+        assert process.returncode != 0 and BAD_INPUT[case][1] in output, f"{case}: {output[-2000:]}"
+        assert "Loading pipeline components" not in output, case
+        assert not (tmp_path / str(i) / "checkpoints").exists(), case
 
 
 def final_transformer(run_dir, step):

@@ -26,7 +26,10 @@ from tests.recipes.test_train import final_lora, train
 # every test here starts Ray and worker processes
 pytestmark = pytest.mark.slow
 
-SMALL = ["trainer.batch_size=8", "algorithm.group_size=4", "trainer.micro_batch_size=4", "trainer.eval_images_per_prompt=1"]
+SMALL = [
+    "trainer.batch_size=8", "algorithm.group_size=4", "trainer.micro_batch_size=4", "trainer.eval_images_per_prompt=1",
+    "rollout.num_steps=4",
+]  # fmt: skip
 
 
 def build(n_workers, tiny_cache, tmp_path, *overrides):
@@ -56,7 +59,7 @@ MODELS = {
     "flux-layered": ["model=flux_tiny", "rollout.share_actor=false", "rollout.layered_summon=true"],
     "qwen_image-fsdp1": ["model=qwen_image_tiny", "model.guidance_scale=2.0", "model.fsdp.version=1", "rollout.share_actor=false"],
     # every weight trains (FSDP2 shards them all) and every sync sends the whole transformer
-    "sd3-full": ["model.lora=null", "rollout.share_actor=false", "rollout.num_steps=4"],
+    "sd3-full": ["model.lora=null", "rollout.share_actor=false"],
 }
 
 
