@@ -52,6 +52,8 @@ CASES = {
     "shared_actor": [],
     # packed latents, two block containers, the distilled guidance embedding
     "flux": ["model=flux_tiny", OWN_COPY],
+    # true CFG on prompts padded to each batch's longest, in Flow-GRPO-Fast's window
+    "qwen_image_fast": ["model=qwen_image_tiny", "model.guidance_scale=2.0", "algorithm=flow_grpo_fast", OWN_COPY],
     "cps": ["rollout.sde_type=cps"],
 }
 
@@ -65,7 +67,7 @@ def test_actor_log_probs_match_engine_after_sync(case, tiny_cache, tmp_path):
     actor, engine, _ = rescore(worker, batch)
     assert len(actor) > 0 and torch.isfinite(actor).all()
     assert (actor - engine).abs().max() <= 1e-5
-    if case == "fast_window":
+    if case in ("fast_window", "qwen_image_fast"):
         start, stop = batch.options.sde_steps
         assert stop - start == 2
         ode = [j for j in range(cfg.rollout.num_steps) if not start <= j < stop]
