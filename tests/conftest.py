@@ -3,8 +3,19 @@ one tiny FLUX and Qwen-Image) checkpoint built offline per test session."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import tempfile
 from pathlib import Path
+
+# Set before torch loads. pyproject runs the suite in 2 pytest-xdist workers: each takes one
+# core with one torch thread (inherited by the processes a test starts, unless the test sets
+# its own), and waiting threads yield their core instead of spinning (with more threads than
+# cores, spinning slows torch on the CPU by an order of magnitude).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -14,6 +25,20 @@ from omni.config import register_configs
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 os.environ.setdefault("WANDB_SILENT", "true")
+
+
+@contextlib.contextmanager
+def one_process_group_at_a_time():
+    """Held by the tests that start several processes (two training runs, a Ray cluster and
+    its workers): the 2 xdist workers never run two such tests at once, so a 2-core runner
+    has one of them and at most one in-process test at a time."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "serial")
+    with open(Path(tempfile.gettempdir()) / f"omni-tests-{run}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def compose_config(overrides=(), output_dir="/tmp/omni-test-output"):

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import one_process_group_at_a_time
+
 REPO = Path(__file__).resolve().parents[2]
 SHORT = [
     "trainer.steps=1", "trainer.batch_size=8", "algorithm.group_size=4", "trainer.eval_images_per_prompt=1", "rollout.num_steps=4",
@@ -21,7 +23,8 @@ def sweep(sweep_dir, cache, *overrides, timeout=600):
         sys.executable, "recipes/train.py", "-m", f"hydra.sweep.dir={sweep_dir}", f"model.cache_dir={cache}",
         "trainer.progress_bar=false", *overrides,
     ]  # fmt: skip
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    with one_process_group_at_a_time():  # with 2 workers each job starts a Ray cluster
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         raise AssertionError(f"train.py -m failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result.stdout + result.stderr

@@ -11,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import one_process_group_at_a_time
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -40,6 +42,11 @@ def paired_gain(run_dir):
 def train_in_parallel(runs, cache, timeout=900):
     """Runs {run_dir: (omp_threads, overrides)} of recipes/train.py at once (two at a time on
     a 2-core CI runner), each with its own OMP_NUM_THREADS."""
+    with one_process_group_at_a_time():
+        _train_in_parallel(runs, cache, timeout)
+
+
+def _train_in_parallel(runs, cache, timeout):
     running = []
     for run_dir, (threads, overrides) in runs.items():
         command = [

@@ -20,11 +20,17 @@ from omni.config.validate import validate
 from omni.distributed import free_port
 from omni.context import step_seeds
 from omni.trainer import model_path
-from tests.conftest import compose_config, training_options
+from tests.conftest import compose_config, one_process_group_at_a_time, training_options
 from tests.recipes.test_train import final_lora, train
 
 # every test here starts Ray and worker processes
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _alone():
+    with one_process_group_at_a_time():
+        yield
 
 SMALL = [
     "trainer.batch_size=8", "algorithm.group_size=4", "trainer.micro_batch_size=4", "trainer.eval_images_per_prompt=1",
@@ -137,7 +143,7 @@ def test_dead_worker_stops_the_run_and_resume_continues(tmp_path, tiny_cache):
     run_dir = tmp_path / "run"
     common = ["trainer.n_workers=2", "trainer.steps=3", "trainer.save_every=1", *SMALL]
     crash = {**os.environ, "OMNI_TEST_CRASH_WORKER_AT_UPDATE": "1:2"}  # rank 1, its 2nd update
-    result = train(run_dir, tiny_cache, *common, check=False, timeout=300, env=crash)
+    result = train(run_dir, tiny_cache, *common, check=False, timeout=600, env=crash)
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert "worker rank 1 of 2" in output and "during training step 2" in output, output[-3000:]
