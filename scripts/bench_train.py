@@ -3,8 +3,10 @@
     python scripts/bench_train.py [--repeats 5] [--parts rollout update ...] [hydra overrides, e.g. model=flux_tiny]
     python scripts/bench_train.py --reward-overlap [--repeats 3]
 
-- rollout: images/s of our engine (SDE steps with log-probs, trajectory kept) against the
-  plain diffusers pipeline (`__call__`) on the same model, batch, steps and size;
+- rollout: images/s of our engine (SDE steps with log-probs, trajectory kept, text encoded
+  every call) against the plain diffusers pipeline (`__call__`) on the same model, batch,
+  steps, size, guidance and text length; also ours with each prompt's text conditioning
+  cached, as a training run samples (not in the ratio);
 - update: Flow-GRPO training transitions (sample x step) per second;
 - epoch: seconds per Flow-GRPO step of 2 prompts x 4 images, 10 steps, 64 px
   (rollout + reward + update + weight sync);
@@ -70,6 +72,10 @@ def bench_rollout(trainer: Trainer, n_images: int, repeats: int) -> dict:
     pipe = engine.pipe
 
     def ours():
+        engine.prompts.rows.clear()  # the text encoders run every call, as the pipeline's do
+        engine.generate(prompts, seeds, options)
+
+    def ours_cached():  # each prompt's text conditioning kept from the last call, as in training
         engine.generate(prompts, seeds, options)
 
     def plain():
@@ -80,7 +86,7 @@ def bench_rollout(trainer: Trainer, n_images: int, repeats: int) -> dict:
                 output_type="pt", **trainer.family.pipeline_guidance(options.guidance_scale),
             )
 
-    ours_s, plain_s = best_time(ours, repeats), best_time(plain, repeats)
+    ours_s, cached_s, plain_s = best_time(ours, repeats), best_time(ours_cached, repeats), best_time(plain, repeats)
     return {
         "model": trainer.cfg.model.family,
         "images": n_images,
@@ -89,6 +95,7 @@ def bench_rollout(trainer: Trainer, n_images: int, repeats: int) -> dict:
         "guidance_scale": options.guidance_scale,
         "max_sequence_length": options.max_sequence_length,
         "ours_images_per_s": n_images / ours_s,
+        "ours_cached_text_images_per_s": n_images / cached_s,
         "diffusers_pipeline_images_per_s": n_images / plain_s,
         "ratio_vs_pipeline": plain_s / ours_s,
     }
