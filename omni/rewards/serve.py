@@ -13,33 +13,22 @@ one at a time (a reward model is not assumed thread-safe). Needs the `reward-htt
 # run time, and `fastapi` is imported lazily (an extra), so string annotations would not resolve.
 import argparse
 import logging
-import threading
 from pathlib import Path
 from typing import List, Optional, Sequence
 
 from omni.rewards import REWARDS, WeightedReward, reward_options
 from omni.rewards.protocol import parse_score_request, scores_answer
+from omni.serving import OneAtATime, import_server
 
 logger = logging.getLogger("omni.rewards.serve")
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
-def import_server():
-    try:
-        import fastapi
-        import uvicorn
-    except ImportError as error:
-        raise ImportError(f"the reward server needs the reward-http extra ({error.name} is missing): pip install -e '.[reward-http]'") from None
-    return fastapi, uvicorn
-
-
 def build_app(reward: WeightedReward):
     """The ASGI app serving `reward` (set up by the caller): GET /health, POST /score."""
-    fastapi, _ = import_server()
-    from fastapi.concurrency import run_in_threadpool
-
+    fastapi, _ = import_server("the reward server")
     app = fastapi.FastAPI(title="omni-recipes reward server")
-    lock = threading.Lock()
+    one_at_a_time = OneAtATime("reward")
     names = list(reward.rewards)
 
     def score(body) -> bytes:
@@ -53,8 +42,7 @@ def build_app(reward: WeightedReward):
         except ValueError as error:
             raise fastapi.HTTPException(status_code=400, detail=str(error)) from None
         try:
-            with lock:
-                return scores_answer(reward(images, prompts)["reward"])
+            return scores_answer(reward(images, prompts)["reward"])
         except Exception as error:  # the reward failed: the client is told why (and retries)
             logger.exception("scoring %d images failed", len(prompts))
             raise fastapi.HTTPException(status_code=500, detail=f"{type(error).__name__}: {error}") from None
@@ -69,7 +57,7 @@ def build_app(reward: WeightedReward):
             body = await request.json()
         except ValueError:
             raise fastapi.HTTPException(status_code=400, detail="the body is not JSON") from None
-        answer = await run_in_threadpool(score, body)
+        answer = await one_at_a_time(score, body)
         return fastapi.Response(content=answer, media_type="application/json")
 
     return app
@@ -105,7 +93,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     from hydra.errors import HydraException
 
     try:
-        _, uvicorn = import_server()
+        _, uvicorn = import_server("the reward server")
         reward = reward_from_overrides(args.overrides)
     except (HydraException, ImportError, KeyError, OSError, ValueError) as error:  # each names the key or file
         parser.exit(2, f"omni.rewards.serve: {error.args[0] if isinstance(error, KeyError) else error}\n")
