@@ -83,6 +83,12 @@ class VllmOptions:
     backend: VllmBackend = VllmBackend.vllm
     startup_timeout: float = 1800.0
     request_timeout: float = 3600.0
+    # Further tries of a call (not /shutdown) whose connection failed or broke, or that a
+    # proxy answered 502/503/504; calls are safe to repeat (seeded rollouts, syncs by path).
+    retries: int = 3
+    # Wait before the first retry in seconds; doubled for each next one, at most max_backoff_s.
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
     # Extra keyword arguments of vLLM-Omni's AsyncOmni (e.g. {enforce_eager: false}).
     engine_args: Dict[str, Any] = field(default_factory=dict)
 

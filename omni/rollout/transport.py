@@ -3,7 +3,8 @@
 Two channels, both built on safetensors so tensors cross bit-exact:
 
 - messages: one HTTP POST per call whose body (both ways) is a safetensors blob; the
-  non-tensor part rides in its metadata as JSON (`pack` / `unpack`, `post`);
+  non-tensor part rides in its metadata as JSON (`pack` / `unpack`; the driver's client
+  is `omni.rollout.engine_client`);
 - weights: a directory per sync in a directory both sides can read, written atomically
   (a temporary directory renamed into place), so the engine never sees half a file. Base
   weights are `model.safetensors`; a LoRA is a PEFT adapter directory
@@ -13,8 +14,6 @@ Two channels, both built on safetensors so tensors cross bit-exact:
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -46,27 +45,6 @@ def unpack(blob: bytes) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     header = json.loads(blob[8 : 8 + header_len])
     meta = json.loads(header.get("__metadata__", {}).get(_JSON_KEY, "{}"))
     return dict(load(blob)), meta
-
-
-class EngineError(RuntimeError):
-    """The engine answered with an error (its message is the engine's)."""
-
-
-def post(url: str, route: str, body: bytes, timeout: float) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """POST a packed message to `url/route`; returns the unpacked answer."""
-    request = urllib.request.Request(
-        f"{url.rstrip('/')}/{route}", data=body, method="POST", headers={"Content-Type": "application/octet-stream"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return unpack(response.read())
-    except urllib.error.HTTPError as error:
-        raise EngineError(f"{route}: {error.read().decode(errors='replace')}") from None
-
-
-def get_json(url: str, route: str, timeout: float) -> Dict[str, Any]:
-    with urllib.request.urlopen(f"{url.rstrip('/')}/{route}", timeout=timeout) as response:
-        return json.loads(response.read())
 
 
 # ----------------------------------------------------------------- weights

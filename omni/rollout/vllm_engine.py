@@ -32,7 +32,8 @@ from omni.config.model import LoraConfig
 from omni.config.rollout import VllmOptions
 from omni.models.base import Conditioning, ModelFamily
 from omni.rollout.base import RolloutBatch, SamplingOptions
-from omni.rollout.transport import get_json, pack, post, write_base_weights, write_lora_adapter
+from omni.rollout.engine_client import EngineClient, retry_policy
+from omni.rollout.transport import pack, write_base_weights, write_lora_adapter
 from omni.rollout.vllm_protocol import batch_from_tensors
 
 logger = logging.getLogger(__name__)
@@ -92,9 +93,12 @@ def engine_python(options: VllmOptions) -> Optional[str]:
 
 
 def engine_unavailable(options: VllmOptions) -> Optional[str]:
-    """Why the engine cannot start (None when it can): checked before any model loads."""
+    """Why the engine cannot start or be called (None when it can): checked before any model loads."""
     if options.backend not in ("vllm", "local"):
         return f"rollout.options.backend={options.backend}: expected vllm or local"
+    problem = retry_policy(options).problem()
+    if problem:
+        return problem
     if options.url:
         return None if options.url.startswith(("http://", "https://")) else f"rollout.options.url={options.url}: expected http://host:port"
     python = engine_python(options)
@@ -129,12 +133,13 @@ class VllmEngine:
 
     def __init__(self, options: VllmOptions, family: ModelFamily, url: str, shared_dir: Path, process: Optional[subprocess.Popen] = None):
         self.options, self.url, self.process = options, url, process
+        self.client = EngineClient(url, options)
         self.conditioning = family.conditioning
         self.shared_dir = Path(shared_dir)
         self.shared_dir.mkdir(parents=True, exist_ok=True)
         self._versions = 0
         self._last_sync: Optional[Path] = None
-        self.has_base = bool(get_json(url, "health", timeout=30)["has_base"])
+        self.has_base = bool(self.client.health()["has_base"])
 
     # ----------------------------------------------------------------- start / attach
     @classmethod
@@ -145,7 +150,7 @@ class VllmEngine:
         """Attach to `options.url`, or start an engine process for `model_path`."""
         shared_dir = Path(options.shared_dir or Path(run_dir) / "vllm_engine") / f"worker-{os.getpid()}"
         if options.url:
-            served = get_json(options.url, "health", timeout=30)["model"]
+            served = EngineClient(options.url, options).health()["model"]
             if Path(served).name != Path(model_path).name:
                 logger.warning("the engine at %s serves %s, the run trains %s", options.url, served, model_path)
             return cls(options, family, options.url, shared_dir)
@@ -160,16 +165,16 @@ class VllmEngine:
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         meta = {"prompts": list(prompts), "seeds": [int(s) for s in seeds], "options": dataclasses.asdict(options)}
-        tensors, _ = post(self.url, "generate", pack(meta=meta), self.options.request_timeout)
+        tensors, _ = self.client.post("generate", pack(meta=meta))
         return batch_from_tensors(prompts, tensors, options, self.conditioning)
 
     def encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> Conditioning:
         meta = {"prompts": list(prompts), "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length}
-        tensors, _ = post(self.url, "encode_prompts", pack(meta=meta), self.options.request_timeout)
+        tensors, _ = self.client.post("encode_prompts", pack(meta=meta))
         return self.conditioning.from_tensors(tensors)
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        tensors, _ = post(self.url, "encode_images", pack({"images": images}), self.options.request_timeout)
+        tensors, _ = self.client.post("encode_images", pack({"images": images}))
         return tensors["latents"]
 
     # ----------------------------------------------------------------- weights
@@ -184,7 +189,8 @@ class VllmEngine:
             path = write_lora_adapter(self.shared_dir, name, named_tensors, lora)
         else:
             path = write_base_weights(self.shared_dir, name, named_tensors)
-        _, answer = post(self.url, "update_weights", pack(meta={"path": str(path.resolve())}), self.options.request_timeout)
+        # a retried sync loads the same directory again: it is removed only once acknowledged
+        _, answer = self.client.post("update_weights", pack(meta={"path": str(path.resolve())}))
         self.has_base = bool(answer["has_base"])
         if self._last_sync is not None:
             shutil.rmtree(self._last_sync, ignore_errors=True)  # loaded: the engine no longer reads it
@@ -194,11 +200,12 @@ class VllmEngine:
         """Stop the engine if we started it (an attached one keeps running)."""
         if self.process is not None:
             try:
-                post(self.url, "shutdown", pack(), timeout=30)
+                self.client.post("shutdown", pack(), retry=False, timeout=30)  # not repeated: the engine may be gone
             except OSError:
                 pass
             _stop_process(self.process)
             self.process = None
+        self.client.close()
         if self._last_sync is not None:
             shutil.rmtree(self._last_sync, ignore_errors=True)
             self._last_sync = None
@@ -221,21 +228,25 @@ def _launch(options, family: str, model_path, device, dtype, micro_batch_size, l
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_engine_env(device), start_new_session=True)
     atexit.register(_stop_process, process, 0.0)
     url = f"http://127.0.0.1:{port}"
-    _wait_until_healthy(url, process, log, options.startup_timeout)
+    _wait_until_healthy(url, process, log, options)
     return url, process
 
 
-def _wait_until_healthy(url: str, process: subprocess.Popen, log: Path, timeout: float) -> None:
+def _wait_until_healthy(url: str, process: subprocess.Popen, log: Path, options: VllmOptions) -> None:
+    timeout = options.startup_timeout
     deadline = time.monotonic() + timeout
+    client = EngineClient(url, options)
     while time.monotonic() < deadline:
         if process.poll() is not None:
             tail = log.read_text(errors="replace")[-4000:]
             raise RuntimeError(f"the vLLM-Omni engine exited with code {process.returncode} while starting; {log}:\n{tail}")
         try:
-            get_json(url, "health", timeout=5)
+            client.health(retry=False, timeout=5)  # this loop is the retry
+            client.close()
             return
         except OSError:
             time.sleep(1.0)
+    client.close()
     _stop_process(process)
     raise TimeoutError(f"the vLLM-Omni engine did not answer {url}/health within {timeout:.0f} s (rollout.options.startup_timeout); see {log}")
 

@@ -1,4 +1,5 @@
-"""The rollout engine process: vLLM-Omni running our pipeline, behind a small HTTP API.
+"""The rollout engine process: vLLM-Omni running our pipeline, behind a small HTTP API
+(FastAPI + uvicorn; the driver's client: `omni.rollout.engine_client`).
 
 Runs in the engine's own environment (scripts/install_vllm_engine.sh); the training
 driver starts it (rollout=vllm) or attaches to it (rollout.options.url=http://host:port):
@@ -17,17 +18,17 @@ request per image) and `local` (the same pipeline class called in this process, 
 the same request/answer mapping: runs without vLLM, for tests and debugging).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI reads the routes' parameter types at run
+# time, and `fastapi` is imported in `build_app`, where string annotations would not resolve.
 import argparse
 import asyncio
 import json
 import logging
 import os
 import threading
+import time
 import traceback
 import uuid
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from types import SimpleNamespace
 from typing import Any, Dict, List, Sequence
 
@@ -45,6 +46,7 @@ from omni.rollout.vllm_protocol import (
     request_inputs,
     result_from_output,
 )
+from omni.serving import OneAtATime, import_server
 
 logger = logging.getLogger("omni.vllm_server")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -169,6 +171,10 @@ class VllmOmniBackend:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+ROUTES = ("generate", "update_weights", "encode_prompts", "encode_images")
+BLOB = "application/octet-stream"
+
+
 def handle(backend, route: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> bytes:
     """One API call -> the packed answer."""
     if route == "generate":
@@ -184,36 +190,50 @@ def handle(backend, route: str, tensors: Dict[str, torch.Tensor], meta: Dict[str
     raise KeyError(f"unknown route /{route}")
 
 
-def make_handler(backend, info: Dict[str, Any], stop: threading.Event):
-    class Handler(BaseHTTPRequestHandler):
-        def _send(self, status: int, body: bytes, content_type: str = "application/octet-stream") -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+def build_app(backend, info: Dict[str, Any], stop: threading.Event):
+    """The engine's API over `backend` (FastAPI). Backend calls run one at a time, in the
+    order they came, on one thread: the local backend's torch modules are not safe to share
+    between threads, and for both backends a weight sync must never land in the middle of a
+    rollout (one batch, two policies). /health reads `has_base` as the last call left it, so
+    it answers at once even during an hour-long /generate."""
+    fastapi, _ = import_server("the rollout engine's server")
+    from starlette.background import BackgroundTask
 
-        def do_GET(self):
-            if self.path.strip("/") != "health":
-                return self._send(404, b"unknown route", "text/plain")
-            self._send(200, json.dumps({"ok": True, "has_base": backend.has_base(), **info}).encode(), "application/json")
+    app = fastapi.FastAPI(title="omni-recipes rollout engine")
+    one_at_a_time = OneAtATime("backend")
+    state = {"has_base": backend.has_base()}
 
-        def do_POST(self):
-            route = self.path.strip("/")
-            if route == "shutdown":
-                self._send(200, pack(meta={"ok": True}))
-                return stop.set()
+    @app.get("/health")
+    async def health():
+        return {"ok": True, "has_base": state["has_base"], **info}
+
+    @app.post("/shutdown")
+    async def shutdown():
+        # answered first, then the process stops (main)
+        return fastapi.Response(pack(meta={"ok": True}), media_type=BLOB, background=BackgroundTask(stop.set))
+
+    def call(route: str, body: bytes) -> bytes:
+        try:
+            tensors, meta = unpack(body)
+            return handle(backend, route, tensors, meta)
+        finally:
+            if route == "update_weights":
+                state["has_base"] = backend.has_base()
+
+    def add_route(route: str) -> None:
+        async def endpoint(request: fastapi.Request):
+            body = await request.body()
             try:
-                tensors, meta = unpack(self.rfile.read(int(self.headers["Content-Length"])))
-                self._send(200, handle(backend, route, tensors, meta))
+                return fastapi.Response(await one_at_a_time(call, route, body), media_type=BLOB)
             except Exception:  # the driver shows the engine's traceback
                 logger.exception("/%s failed", route)
-                self._send(500, traceback.format_exc().encode(), "text/plain")
+                return fastapi.Response(traceback.format_exc(), status_code=500, media_type="text/plain")
 
-        def log_message(self, fmt, *args):
-            logger.debug(fmt, *args)
+        app.add_api_route(f"/{route}", endpoint, methods=["POST"], name=route)
 
-    return Handler
+    for route in ROUTES:
+        add_route(route)
+    return app
 
 
 def parse_args(argv=None):
@@ -249,20 +269,28 @@ def stop_when_parent_dies(stop: threading.Event, poll_s: float = 2.0) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _, uvicorn = import_server("the rollout engine's server")
     backend = (VllmOmniBackend if args.backend == "vllm" else LocalBackend)(args)
     stop = threading.Event()
     if args.exit_with_parent:
         stop_when_parent_dies(stop)
     info = {"model": args.model, "family": args.family, "backend": args.backend}
-    server = HTTPServer((args.host, args.port), make_handler(backend, info, stop))
-    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
-    logger.info("rollout engine (%s) listening on http://%s:%d", args.backend, args.host, server.server_port)
+    config = uvicorn.Config(build_app(backend, info, stop), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="http", daemon=True)
+    thread.start()
     try:
+        while not server.started:
+            if not thread.is_alive():
+                raise SystemExit(f"the server did not start on {args.host}:{args.port}")
+            time.sleep(0.05)
+        logger.info("rollout engine (%s) listening on http://%s:%d", args.backend, args.host, args.port)
         stop.wait()
     except KeyboardInterrupt:
         pass
     finally:
-        server.shutdown()
+        server.should_exit = True
+        thread.join(timeout=10)
         backend.close()
 
 

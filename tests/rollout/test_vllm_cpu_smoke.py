@@ -14,7 +14,6 @@ import torch
 
 from omni.config.rollout import VllmOptions
 from omni.models.sd3 import FAMILY
-from omni.rollout.transport import get_json
 from omni.rollout.vllm_engine import VllmEngine
 from omni.weights import plain_base_names
 from tests.rollout.conftest import LORA, options, random_lora
@@ -40,7 +39,7 @@ def test_real_engine_samples_log_probs_and_takes_a_lora(tiny_sd3_dir, diffusers_
     engine = VllmEngine.start(FAMILY, VllmOptions(python=PYTHON, startup_timeout=900), tiny_sd3_dir, torch.device("cpu"), torch.float32, 4, False, tmp_path)
     print(f"engine started in {time.perf_counter() - start:.1f} s")
     try:
-        assert get_json(engine.url, "health", 10)["backend"] == "vllm" and not engine.has_base
+        assert engine.client.health()["backend"] == "vllm" and not engine.has_base
         engine.update_weights({k: v.detach() for k, v in plain_base_names(diffusers_engine.transformer).items()}, False, None)
         assert engine.has_base
         for opts in (options(), options(guidance_scale=3.0, sde_steps=(1, 3))):
