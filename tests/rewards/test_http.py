@@ -19,7 +19,7 @@ from omni.rewards.http import HttpReward
 from omni.rewards.protocol import parse_score_request, quantize, score_request
 from omni.rewards.serve import build_app, reward_from_overrides
 from omni.rewards.serve import main as serve_main
-from tests.rewards.servers import dropping_server, uvicorn_server
+from tests.servers import dropping_server, uvicorn_server
 
 IMAGES = torch.rand(5, 3, 16, 16, generator=torch.Generator().manual_seed(0))
 PROMPTS = [Prompt(f"a red cat {i}", {"tag": "colors", "index": i}) for i in range(5)]

@@ -17,7 +17,7 @@ from omni.rewards import reward_options
 from omni.rewards.base import RewardUnavailable
 from omni.rewards.protocol import quantize
 from omni.rewards.vlm_judge import VlmJudge
-from tests.rewards.servers import uvicorn_server
+from tests.servers import uvicorn_server
 
 IMAGES = torch.rand(4, 3, 16, 16, generator=torch.Generator().manual_seed(0)) * torch.tensor([0.2, 0.5, 0.8, 1.0]).view(4, 1, 1, 1)
 PROMPTS = ["a red cat", "a dark room", "an unsure sky", "a lamp"]

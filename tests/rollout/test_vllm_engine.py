@@ -13,11 +13,13 @@ from omni.config.rollout import VllmOptions
 from omni.config.validate import ConfigError, validate
 from omni.algorithms import flow_grpo
 from omni.models.sd3 import FAMILY, build_tiny_transformer
-from omni.rollout.transport import get_json
+from omni.rollout.engine_client import EngineClient
 from omni.rollout.vllm_engine import VllmEngine, engine_unavailable, vllm_options
+from omni.rollout.vllm_protocol import batch_to_tensors
 from omni.weights import plain_base_names
 from tests.conftest import compose_config
 from tests.rollout.conftest import LORA, options, random_lora
+from tests.servers import breaking_proxy
 
 PROMPTS = ["a red cat", "a blue dog", "a red cat", "a green tree"]
 SEEDS = [1, 2, 3, 4]
@@ -49,8 +51,16 @@ def test_bad_options_are_named(no_engine_env):
     assert "rollout.options.python=/nowhere/python" in engine_unavailable(VllmOptions(python="/nowhere/python"))
     assert "rollout.options.url=engine:8765" in engine_unavailable(VllmOptions(url="engine:8765"))
     assert "rollout.options.backend=tpu" in engine_unavailable(VllmOptions(backend="tpu"))
+    assert "rollout.options.retries=-1 must be >= 0" in engine_unavailable(VllmOptions(backend="local", retries=-1))
+    assert "rollout.options.request_timeout=0 must be positive" in engine_unavailable(VllmOptions(url="http://x:1", request_timeout=0))
     with pytest.raises(ValueError, match="unknown \\['ur'\\]"):
         vllm_options({"ur": "http://x"})
+
+
+def test_bad_retry_options_fail_validation_naming_the_key(tiny_cache, tmp_path):
+    cfg = compose_config(["rollout=vllm", "rollout.options.backend=local", "rollout.options.backoff_s=-1", f"model.cache_dir={tiny_cache}"], tmp_path)
+    with pytest.raises(ConfigError, match="rollout.options.backoff_s=-1.0 must be >= 0"):
+        validate(cfg)
 
 
 def test_an_env_without_vllm_omni_is_refused(no_engine_env):
@@ -74,7 +84,7 @@ def test_engine_process_matches_diffusers_engine_across_syncs(started_engine, di
         engine.update_weights(random_lora(diffusers_engine.transformer), True, LORA)
     base = {k: v.detach() for k, v in plain_base_names(diffusers_engine.transformer).items()}
     engine.update_weights(base, base_sync_done=False, lora=None)
-    assert engine.has_base and get_json(engine.url, "health", 10)["has_base"]
+    assert engine.has_base and EngineClient(engine.url, VllmOptions()).health()["has_base"]
     for opts in (options(), options(guidance_scale=3.0, sde_steps=(1, 3))):
         got, expected = engine.generate(PROMPTS, SEEDS, opts), diffusers_engine.generate(PROMPTS, SEEDS, opts)
         assert (got.log_probs - expected.log_probs).abs().max() <= 1e-5
@@ -99,7 +109,23 @@ def test_engine_process_matches_diffusers_engine_across_syncs(started_engine, di
 def test_attached_engine_keeps_running_after_the_run(started_engine):
     attached = VllmEngine.start(FAMILY, VllmOptions(url=started_engine.url), "unused", torch.device("cpu"), torch.float32, 2, True, started_engine.shared_dir)
     attached.shutdown()
-    assert get_json(started_engine.url, "health", 10)["ok"]
+    assert EngineClient(started_engine.url, VllmOptions()).health()["ok"]
+
+
+@pytest.mark.slow
+def test_a_rollout_whose_connection_breaks_is_repeated_with_the_same_result(started_engine):
+    """The first /generate through the proxy reaches the engine, which samples; its answer is
+    cut halfway and the connection reset. The driver asks again and gets, bit for bit, what
+    an undisturbed call gets."""
+    expected = batch_to_tensors(started_engine.generate(PROMPTS, SEEDS, options()))
+    with breaking_proxy(started_engine.url, b"POST /generate ") as (url, seen):
+        attached = VllmEngine.start(FAMILY, VllmOptions(url=url, backoff_s=0.05), "unused", torch.device("cpu"), torch.float32, 2, True, started_engine.shared_dir)
+        got = batch_to_tensors(attached.generate(PROMPTS, SEEDS, options()))
+        attached.shutdown()
+    assert len(seen) == 2  # broken once, then answered
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
 
 
 @pytest.mark.slow
@@ -185,7 +211,7 @@ def test_engine_stops_when_its_driver_dies(tiny_sd3_dir, tmp_path):
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
-            get_json(f"http://127.0.0.1:{port}", "health", 5)
+            EngineClient(f"http://127.0.0.1:{port}", VllmOptions()).health(retry=False, timeout=5)
             break
         except OSError:
             time.sleep(0.5)
