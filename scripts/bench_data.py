@@ -2,6 +2,7 @@
 
     python scripts/bench_data.py                         # both measurements
     python scripts/bench_data.py --baseline /path/to/an/older/checkout   # also time its in-memory path
+    python scripts/bench_data.py --only speed --image-size 512 --image-format jpeg   # Pick-a-Pic-like images
 
 1. Memory: the peak RSS of a DPO run (model, a few steps, one held-out evaluation) over
    2,000 and over 20,000 synthetic pairs (`scripts/make_preference_pairs.py`, parquet shards
@@ -13,6 +14,10 @@
    process (`cache_speedup`, target >= 3). With `--baseline DIR`, the same run of the code
    in DIR (e.g. `git worktree add DIR <commit>` of a commit that encoded every pair in memory at
    set-up) is timed too, and `stream_vs_baseline` compares streaming without the cache to it.
+   The pairs' images are PNGs of the training resolution (64 px) by default, which cost next
+   to nothing to read; Pick-a-Pic's are JPEGs of about 512 px, decoded and resized on every
+   read without the cache: `--image-size 512 --image-format jpeg` times that (printed under
+   "images"). Either way both sides read the same files and train the same steps.
 Each run is a fresh process with one CPU thread (`--threads`); the speed runs are repeated
 (`--repeats`, interleaved) and the fastest of each kept, as a shared machine's load comes and
 goes. Figures depend on the machine and its load (printed).
@@ -83,8 +88,9 @@ def measure(code_root: Path, pairs, steps: int, batch_size: int, model_cache: st
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def make_pairs(out_dir: Path, n: int, layout: str) -> Path:
-    command = [sys.executable, str(REPO / "scripts" / "make_preference_pairs.py"), str(out_dir), "--n-pairs", str(n), "--layout", layout]
+def make_pairs(out_dir: Path, n: int, layout: str, image_size: int = 64, image_format: str = "png") -> Path:
+    command = [sys.executable, str(REPO / "scripts" / "make_preference_pairs.py"), str(out_dir), "--n-pairs", str(n), "--layout", layout,
+               "--resolution", str(image_size), "--image-format", image_format]
     return Path(subprocess.run(command, cwd=REPO, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
 
 
@@ -98,8 +104,8 @@ def memory(work: Path, model_cache: str, sizes, steps: int) -> dict:
             "rss_ratio": round(large / small, 3), "rss_target": 1.3}
 
 
-def speed(work: Path, model_cache: str, n: int, batch_size: int, baseline, repeats: int) -> dict:
-    pairs = make_pairs(work / f"speed-{n}", n, "jsonl")
+def speed(work: Path, model_cache: str, n: int, batch_size: int, baseline, repeats: int, image_size: int, image_format: str) -> dict:
+    pairs = make_pairs(work / f"speed-{n}", n, "jsonl", image_size, image_format)
     steps = n // batch_size  # one epoch: every pair encoded once on each path
     common = ["data.pairs_eval_fraction=0", ENCODER]
     cache = work / f"speed-{n}-latents"
@@ -119,7 +125,7 @@ def speed(work: Path, model_cache: str, n: int, batch_size: int, baseline, repea
             rate = result["pairs"] / result["seconds"]
             if rate > best.get(name, (0.0,))[0]:
                 best[name] = (rate, result["update_seconds"] / result["seconds"])
-    out = {"pairs": n, "steps": steps, "batch_size": batch_size, "repeats": repeats,
+    out = {"pairs": n, "steps": steps, "batch_size": batch_size, "repeats": repeats, "images": f"{image_size} px {image_format}",
            "pairs_per_s": {name: round(rate, 2) for name, (rate, _) in best.items()},
            "update_share": {name: round(share, 2) for name, (_, share) in best.items()},
            "cache_speedup": round(best["latent_cache"][0] / best["streamed"][0], 2), "cache_speedup_target": 3.0,
@@ -139,6 +145,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--sizes", type=int, nargs=2, default=[2000, 20000], help="the two set sizes of the memory runs")
     parser.add_argument("--speed-pairs", type=int, default=160)
+    parser.add_argument("--image-size", type=int, default=64, help="pixels of the speed runs' images (the model trains at 64)")
+    parser.add_argument("--image-format", choices=["png", "jpeg"], default="png", help="how the speed runs' images are stored")
     parser.add_argument("--baseline", help="a checkout of older code to time the same run on")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each speed configuration (the fastest is kept)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads of each run")
@@ -156,7 +164,9 @@ def main() -> None:
         if args.only != "speed":
             result["memory"] = memory(work, args.model_cache, args.sizes, args.steps)
         if args.only != "memory":
-            result["speed"] = speed(work, args.model_cache, args.speed_pairs, args.batch_size, args.baseline, args.repeats)
+            result["speed"] = speed(
+                work, args.model_cache, args.speed_pairs, args.batch_size, args.baseline, args.repeats, args.image_size, args.image_format
+            )
     print(json.dumps(result, indent=1))
 
 

@@ -2,16 +2,19 @@
 
     python scripts/make_preference_pairs.py /tmp/prefs --n-pairs 64 --resolution 64 --seed 0
     python scripts/make_preference_pairs.py /tmp/prefs-20k --n-pairs 20000 --layout parquet
+    python scripts/make_preference_pairs.py /tmp/prefs-jpeg --resolution 512 --image-format jpeg
 
 Prompts come from omni's colors_train set; the same seed always writes the same pairs. The
-"jsonl" layout writes PNG files and pairs.jsonl; "parquet" writes shards with the PNG bytes
-embedded (as Pick-a-Pic stores its images). The printed path is what to give the DPO recipe
+"jsonl" layout writes image files and pairs.jsonl; "parquet" writes shards with the image bytes
+embedded (as Pick-a-Pic stores its images). `--resolution 512 --image-format jpeg` writes
+images like Pick-a-Pic's: JPEGs of 512 px, decoded and resized to the training resolution each
+time a pair is read. The printed path is what to give the DPO recipe
 as data.pairs.
 """
 
 import argparse
 
-from omni.data.synthetic_pairs import write_synthetic_pairs
+from omni.data.synthetic_pairs import IMAGE_FORMATS, write_synthetic_pairs
 
 
 def main() -> None:
@@ -21,9 +24,13 @@ def main() -> None:
     parser.add_argument("--resolution", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layout", choices=["jsonl", "parquet"], default="jsonl")
+    parser.add_argument("--image-format", choices=list(IMAGE_FORMATS), default="png")
     parser.add_argument("--shard-size", type=int, default=5000, help="rows per parquet shard")
     args = parser.parse_args()
-    print(write_synthetic_pairs(args.out_dir, args.n_pairs, args.resolution, args.seed, layout=args.layout, shard_size=args.shard_size))
+    print(write_synthetic_pairs(
+        args.out_dir, args.n_pairs, args.resolution, args.seed, layout=args.layout, shard_size=args.shard_size,
+        image_format=args.image_format,
+    ))
 
 
 if __name__ == "__main__":

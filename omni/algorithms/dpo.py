@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from omni.algorithms.base import Algorithm
-from omni.algorithms.dpo_pairs import PairBatch, PairData, split_digest
+from omni.algorithms.dpo_pairs import EVAL_CHUNK, PairBatch, PairData, split_digest
 from omni.config.algorithm import SigmaSampling
 from omni.config.errors import require
 from omni.context import update_seed
@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 SIGMA_MODES = tuple(mode.value for mode in SigmaSampling)
 SIGMA_EPS = 1e-5  # keeps sigmas strictly inside (0, 1): sigma = 0 or 1 is a degenerate noise level
+REFERENCE_CHUNK = EVAL_CHUNK  # pairs the reference scores in one forward (no gradients, as in evaluation)
 
 
 def sample_sigmas(
@@ -150,15 +151,36 @@ def diffusion_dpo_loss(
 
 
 # ----------------------------------------------------------------- the update, on a worker
-def pair_outputs(worker, pairs: PairBatch, sigmas: torch.Tensor, noise: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """Diffusion-DPO loss and metrics for pairs sharing noise level and noise."""
-    n = len(pairs)
+def _noised(worker, pairs: PairBatch, sigmas: torch.Tensor, noise: torch.Tensor):
+    """The transformer's inputs and target for the chosen rows then the rejected rows of
+    `pairs` (each pair's two images share noise level and noise), on the device."""
     x0 = worker.to_device(torch.cat([pairs.x0_chosen, pairs.x0_rejected]))
     noise2, sigmas2 = worker.to_device(torch.cat([noise, noise])), torch.cat([sigmas, sigmas])
     cond2 = pairs.cond.apply(lambda t: worker.to_device(torch.cat([t, t])))
-    noisy, target = noisy_latents(x0, noise2, sigmas2.to(x0.device)), velocity_target(x0, noise2)
+    return noisy_latents(x0, noise2, sigmas2.to(x0.device)), sigmas2, cond2, velocity_target(x0, noise2)
+
+
+def reference_errors(worker, pairs: PairBatch, sigmas: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The reference's errors, shape (2 * len(pairs),): chosen rows then rejected rows. Without
+    gradients, so in forwards of REFERENCE_CHUNK pairs (an evaluation's chunk), not of the
+    policy's micro-batches: one switch to the reference per update, and fewer, fuller forwards."""
+    parts = []
+    for rows in torch.arange(len(pairs)).split(REFERENCE_CHUNK):
+        noisy, sigmas2, cond2, target = _noised(worker, pairs.select(rows), sigmas[rows], noise[rows])
+        parts.append(per_sample_mse(worker.velocity(noisy, sigmas2, cond2, 1.0, reference=True), target).view(2, -1))
+    return torch.cat(parts, dim=1).flatten()
+
+
+def pair_outputs(
+    worker, pairs: PairBatch, sigmas: torch.Tensor, noise: torch.Tensor, ref_err: Optional[torch.Tensor] = None
+) -> Dict[str, torch.Tensor]:
+    """Diffusion-DPO loss and metrics for pairs sharing noise level and noise. `ref_err`: the
+    reference's errors on these inputs (`reference_errors`), when already known."""
+    n = len(pairs)
+    noisy, sigmas2, cond2, target = _noised(worker, pairs, sigmas, noise)
     policy_err = per_sample_mse(worker.velocity(noisy, sigmas2, cond2, 1.0), target)
-    ref_err = per_sample_mse(worker.velocity(noisy, sigmas2, cond2, 1.0, reference=True), target)
+    if ref_err is None:
+        ref_err = per_sample_mse(worker.velocity(noisy, sigmas2, cond2, 1.0, reference=True), target)
     return diffusion_dpo_loss(policy_err[:n], policy_err[n:], ref_err[:n], ref_err[n:], worker.cfg.algorithm.beta)
 
 
@@ -176,11 +198,12 @@ def update(worker, pairs: PairBatch, seed: int, first: int = 0, total: int = 0) 
     n = len(pairs)
     sigmas, noise = pair_noise(worker.cfg.algorithm, (total or n, *pairs.x0_chosen.shape[1:]), seed)
     sigmas, noise = sigmas[first : first + n], noise[first : first + n]
+    ref_err = reference_errors(worker, pairs, sigmas, noise)  # chosen rows, then rejected rows
     worker.zero_grad()
     sums: Dict[str, torch.Tensor] = {}  # summed on the device: no sync per micro-batch
     chunks = torch.arange(n).split(max(1, worker.cfg.trainer.micro_batch_size // 2))
     for i, rows in enumerate(chunks):
-        out = pair_outputs(worker, pairs.select(rows), sigmas[rows], noise[rows])
+        out = pair_outputs(worker, pairs.select(rows), sigmas[rows], noise[rows], torch.cat([ref_err[rows], ref_err[n + rows]]))
         worker.backward(out["loss"] * len(rows) / n, sync=i == len(chunks) - 1)
         for key, value in out.items():
             sums[key] = sums.get(key, 0.0) + value.detach().double() * len(rows) / n

@@ -6,8 +6,11 @@ same amount, so brightness is the only difference a model can learn from. (Two u
 images, one light and one dark, can be told apart by anything else they differ in, and a
 model trained on them learns to tell them apart rather than to make images brighter.)
 
-Two layouts of the same pairs: PNG files under images/ with `pairs.jsonl` naming them, or
-parquet shards with the PNG bytes embedded (`pairs-00000.parquet`, ...). The same arguments
+Two layouts of the same pairs: image files under images/ with `pairs.jsonl` naming them, or
+parquet shards with the image bytes embedded (`pairs-00000.parquet`, ...). Images are PNG, or
+JPEG (quality 90) as Pick-a-Pic stores them: at Pick-a-Pic's size (`resolution=512`) each is
+decoded and resized to the training resolution whenever a pair is read, as real data is (the
+images stay smooth, so a JPEG decodes faster than a photograph would). The same arguments
 always write the same pairs; images are made a chunk at a time, so a large set needs little
 memory.
 """
@@ -27,6 +30,8 @@ from PIL import Image
 
 CHUNK = 512  # pairs made at a time
 BRIGHTNESS_GAP = 0.1  # added to every pixel of the chosen image, taken from the rejected one
+# format: (PIL's name, file suffix, save options)
+IMAGE_FORMATS = {"png": ("PNG", ".png", {}), "jpeg": ("JPEG", ".jpg", {"quality": 90})}
 
 
 def _smooth(coarse: torch.Tensor, resolution: int) -> torch.Tensor:
@@ -34,15 +39,16 @@ def _smooth(coarse: torch.Tensor, resolution: int) -> torch.Tensor:
     return F.interpolate(coarse, size=(resolution, resolution), mode="bilinear", align_corners=False).clamp(0, 1)
 
 
-def _png(image: torch.Tensor) -> bytes:
+def _encode(image: torch.Tensor, image_format: str) -> bytes:
     pixels = (image.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+    name, _, options = IMAGE_FORMATS[image_format]
     buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
+    Image.fromarray(pixels).save(buffer, format=name, **options)
     return buffer.getvalue()
 
 
-def _pairs(n_pairs: int, resolution: int, seed: int, prompts: Sequence[str]):
-    """(index, prompt, chosen PNG bytes, rejected PNG bytes) for each pair, in order."""
+def _pairs(n_pairs: int, resolution: int, seed: int, prompts: Sequence[str], image_format: str):
+    """(index, prompt, chosen image bytes, rejected image bytes) for each pair, in order."""
     generator = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(prompts), generator=generator).tolist() * math.ceil(n_pairs / len(prompts))
     coarse = torch.rand(n_pairs, 3, 4, 4, generator=generator)
@@ -52,15 +58,15 @@ def _pairs(n_pairs: int, resolution: int, seed: int, prompts: Sequence[str]):
         for offset in range(len(image)):
             i = start + offset
             chosen, rejected = image[offset] + BRIGHTNESS_GAP, image[offset] - BRIGHTNESS_GAP
-            yield i, prompts[order[i]], _png(chosen), _png(rejected)
+            yield i, prompts[order[i]], _encode(chosen, image_format), _encode(rejected, image_format)
 
 
-def _write_jsonl(out_dir: Path, pairs) -> Path:
+def _write_jsonl(out_dir: Path, pairs, suffix: str) -> Path:
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
     jsonl = out_dir / "pairs.jsonl"
     with jsonl.open("w", encoding="utf-8") as lines:
         for i, prompt, chosen, rejected in pairs:
-            names = {side: f"images/pair_{i:05d}_{side}.png" for side in ("chosen", "rejected")}
+            names = {side: f"images/pair_{i:05d}_{side}{suffix}" for side in ("chosen", "rejected")}
             (out_dir / names["chosen"]).write_bytes(chosen)
             (out_dir / names["rejected"]).write_bytes(rejected)
             lines.write(json.dumps({"prompt": prompt, **names}) + "\n")
@@ -103,21 +109,25 @@ def write_synthetic_pairs(
     layout: str = "jsonl",
     shard_size: int = 5000,
     row_group_size: int = 64,
+    image_format: str = "png",
 ) -> Path:
     """Write `n_pairs` pairs and return what to give `data.pairs`: the JSONL file (layout
     "jsonl") or the folder of parquet shards of `shard_size` rows (layout "parquet").
 
-    Each chosen image is its rejected one with every pixel `2 * BRIGHTNESS_GAP` lighter.
+    Each chosen image is its rejected one with every pixel `2 * BRIGHTNESS_GAP` lighter (up to
+    JPEG's rounding with `image_format="jpeg"`).
     Prompts default to the colors_train set, taken in a seeded order."""
     if n_pairs < 1 or resolution < 1:
         raise ValueError(f"n_pairs and resolution must be positive, got {n_pairs} and {resolution}")
     if layout not in ("jsonl", "parquet"):
         raise ValueError(f"layout must be 'jsonl' or 'parquet', got {layout!r}")
+    if image_format not in IMAGE_FORMATS:
+        raise ValueError(f"image_format must be one of {', '.join(IMAGE_FORMATS)}, got {image_format!r}")
     if prompts is None:
         from omni.data.prompts import load_prompts
 
         prompts = load_prompts("omni:colors_train")
-    pairs = _pairs(n_pairs, resolution, seed, prompts)
+    pairs = _pairs(n_pairs, resolution, seed, prompts, image_format)
     if layout == "jsonl":
-        return _write_jsonl(Path(out_dir), pairs)
+        return _write_jsonl(Path(out_dir), pairs, IMAGE_FORMATS[image_format][1])
     return _write_parquet(Path(out_dir), pairs, shard_size, row_group_size)

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from omni.algorithms import dpo
 from omni.config.validate import validate
 from omni.data.pair_loader import split_positions
 from omni.algorithms.online_dpo import best_and_worst
@@ -44,6 +45,29 @@ def test_a_few_steps_beat_chance_on_held_out_pairs(offline_trainer):
     metrics = algorithm.evaluate()
     assert metrics["eval/implicit_accuracy"] > 0.5
     assert metrics["eval/loss"] < math.log(2)
+
+
+def test_reference_errors_land_on_their_pairs_whatever_the_chunks(offline_trainer, monkeypatch):
+    """An update scores its pairs under the reference apart from the policy's micro-batches,
+    REFERENCE_CHUNK pairs a forward: each error is its own pair's and side's however the pairs
+    are chunked. A forward of another batch size rounds otherwise (float32 matrix products of
+    another shape: about 1e-7 here), hence rtol=1e-5 rather than equality."""
+    worker = offline_trainer.ctx.worker
+    pairs = next(offline_trainer.algorithm.provider.train_batches(0))
+    sigmas, noise = dpo.pair_noise(worker.cfg.algorithm, pairs.x0_chosen.shape, seed=5)
+    whole = dpo.reference_errors(worker, pairs, sigmas, noise)
+    assert whole.shape == (2 * len(pairs),)
+    monkeypatch.setattr(dpo, "REFERENCE_CHUNK", 3)
+    torch.testing.assert_close(dpo.reference_errors(worker, pairs, sigmas, noise), whole, rtol=1e-5, atol=0)
+    for i in (0, len(pairs) - 1):  # a pair scored alone, as pair_outputs scores it with the policy
+        out = dpo.pair_outputs(worker, pairs.select([i]), sigmas[[i]], noise[[i]])
+        found = torch.stack([out["ref_err_chosen"], out["ref_err_rejected"]])
+        torch.testing.assert_close(found, whole[[i, len(pairs) + i]], rtol=1e-5, atol=0)
+    # the update (micro-batches of 4 pairs, reference chunks of 3) pairs each policy error with
+    # its own reference error: at init every logit is ~0 (beta times the rounding above)
+    metrics = worker.train(dpo.update, pairs, 5)
+    assert abs(metrics["loss"] - math.log(2)) < 1e-3 and abs(metrics["reward_margin"]) < 1e-2
+    assert metrics["ref_err_chosen"] == pytest.approx(float(whole[: len(pairs)].mean()), rel=1e-5)
 
 
 def test_best_and_worst_skip_ties():

@@ -55,6 +55,24 @@ def test_synthetic_round_trip(tmp_path):
     assert {p.prompt for p in pairs} <= set(load_prompts("omni:colors_train"))
 
 
+@pytest.mark.parametrize("layout", ["jsonl", "parquet"])
+def test_synthetic_jpeg_images_as_pickapic_stores_them(tmp_path, layout):
+    """JPEG (lossy): the chosen image stays the brighter, by about the 2 * 0.1 gap written."""
+    path = write_synthetic_pairs(tmp_path / "set", n_pairs=3, resolution=24, seed=0, layout=layout, image_format="jpeg")
+    pairs, _ = load_preference_pairs(path)
+    if layout == "jsonl":
+        first = (path.parent / json.loads(path.read_text().splitlines()[0])["chosen"]).read_bytes()
+    else:
+        import pyarrow.parquet as pq
+
+        first = pq.read_table(next(path.glob("*.parquet")))["chosen"][0].as_py()
+    assert first[:3] == b"\xff\xd8\xff"  # a JPEG's start of image
+    assert all(p.chosen.size == (24, 24) for p in pairs)
+    assert all(abs(_mean(p.chosen) - _mean(p.rejected) - 0.2 * 255) < 2 for p in pairs)
+    with pytest.raises(ValueError, match="image_format must be one of png, jpeg, got 'gif'"):
+        write_synthetic_pairs(tmp_path / "gif", 1, image_format="gif")
+
+
 def test_synthetic_is_deterministic_for_a_seed(tmp_path):
     first = write_synthetic_pairs(tmp_path / "a", 3, 16, seed=7)
     again = write_synthetic_pairs(tmp_path / "b", 3, 16, seed=7)
