@@ -104,7 +104,11 @@ def test_two_workers_match_one_worker(model, tiny_cache, tmp_path):
     assert (two_batch.latents - batch.latents).abs().max() < 1e-5
     assert (two_batch.log_probs - batch.log_probs).abs().max() < 1e-5
     assert max_difference(one_lora, initial_lora) > 1e-3, "the update did not move the LoRA"
-    assert max_difference(two_lora, one_lora) < 1e-5
+    # With every weight training, Adam's first step (about lr * sign(g)) turns the all-reduce's
+    # other summation order into up to ~1e-5 on weights whose gradient is near its eps; a missing
+    # or doubled reduction moves weights by the lr, 1e-2
+    tolerance = 1e-4 if "model.lora=null" in MODELS[model] else 1e-5
+    assert max_difference(two_lora, one_lora) < tolerance
     # Adam's first steps hardly depend on the gradient's scale: the norm checks the normalisation
     assert two_metrics["grad_norm"] == pytest.approx(one_metrics["grad_norm"], rel=1e-4)
     assert (two_after.log_probs - one_after.log_probs).abs().max() < 1e-5
