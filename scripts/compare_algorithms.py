@@ -46,6 +46,8 @@ VARIANTS: Dict[str, List[str]] = {
     "flow_grpo kl_type=velocity kl_coef=0.01": ["algorithm.kl_type=velocity", "algorithm.kl_coef=0.01"],
     "flow_grpo kl_type=velocity kl_coef=0.001": ["algorithm.kl_type=velocity", "algorithm.kl_coef=0.001"],
     "flow_grpo ema_decay=0.9": ["trainer.ema_decay=0.9"],
+    # every transformer weight trains: a tenth of the LoRA's step size
+    "full_finetuning lr=1e-3": ["model.lora=null", "trainer.lr=1e-3"],
 }
 STEP_LINE = re.compile(r"^step (\d+): (.*)$")
 
