@@ -49,9 +49,13 @@ class MetricsLogger:
                 self.tensorboard.add_scalar(key, value, step)
 
     def log_images(self, images: torch.Tensor, step: int, tag: str = "rollout/images") -> None:
-        """One grid of `images` (in [0, 1]) to every image backend, as 8-bit pixels: wandb
+        """One grid of `images` (in [0, 1]; clips: a row of frames each) to every image backend, as 8-bit pixels: wandb
         casts a float array to uint8 without scaling, which would turn the grid black."""
-        grid = image_grid(images.float().cpu())
+        images = images.float().cpu()
+        if images.ndim == 5:  # clips (B, F, 3, H, W): one row of frames per clip, at most 8 clips
+            grid = image_grid(images[:8].flatten(0, 1), columns=images.shape[1])
+        else:
+            grid = image_grid(images)
         pixels = (grid.clamp(0, 1) * 255).round().to(torch.uint8)
         if self.wandb is not None:
             import wandb

@@ -94,6 +94,11 @@ def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
         f"rollout.resolution={rollout.resolution}: this model takes multiples of {multiple} (VAE factor x patch size)",
     )
     require(rollout.num_steps >= 2, f"rollout.num_steps={rollout.num_steps}: need at least 2")
+    require(rollout.fps > 0, f"rollout.fps={rollout.fps} must be positive")
+    require(
+        family.video or rollout.num_frames == 1,
+        f"rollout.num_frames={rollout.num_frames}: model.family={family.name} makes images (1 frame); frames are for video models",
+    )
     require(rollout.noise_level > 0, f"rollout.noise_level={rollout.noise_level} must be positive")
     require(
         rollout.sde_type != SDEType.cps or rollout.noise_level <= 1,
@@ -265,6 +270,20 @@ def check_rewards(reward) -> None:
     )
 
 
+def check_reward_kinds(reward, family: ModelFamily) -> None:
+    """Clip rewards for a video model, image rewards for an image model."""
+    for name in reward.components:
+        takes_video = REWARDS.get(name).video
+        if family.video:
+            require(
+                takes_video,
+                f"reward.components.{name} scores images but model.family={family.name} makes videos: score each frame "
+                f"and average with reward.components.frame_average.image={name} (e.g. reward=frame_brightness)",
+            )
+        else:
+            require(not takes_video, f"reward.components.{name} scores videos but model.family={family.name} makes images")
+
+
 def check_prompts(data, reward) -> None:
     """Each prompt file loads, and each prompt has what every reward component needs of it
     (the OCR target text, GenEval's objects): the first that lacks it is named, with its line."""
@@ -302,6 +321,10 @@ def resolve(cfg: TrainConfig, family: ModelFamily) -> None:
         cfg.rollout.resolution = cfg.model.resolution
     if cfg.rollout.guidance_scale is None:
         cfg.rollout.guidance_scale = cfg.model.guidance_scale
+    if cfg.rollout.num_frames is None:
+        cfg.rollout.num_frames = cfg.model.num_frames
+    if cfg.rollout.fps is None:
+        cfg.rollout.fps = cfg.model.fps
     lora = cfg.model.lora
     if lora is not None and lora.target_modules is None:
         lora.target_modules = list(family.lora_targets)
@@ -321,5 +344,6 @@ def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
     _lookup(get_algorithm, cfg.algorithm.name).check_config(cfg)
     check_logger(cfg.logger)
     check_rewards(cfg.reward)
+    check_reward_kinds(cfg.reward, family)
     check_prompts(cfg.data, cfg.reward)
     return cfg
