@@ -54,6 +54,9 @@ def test_temporal_consistency_of_still_flickering_and_smooth_clips():
     assert torch.allclose(scores[:2], torch.tensor([1.0, -1.0]), atol=1e-6)
     assert 0.9 < scores[2] < 1 and scores[3] < 0
     assert temporal_consistency(still[None, :1]).item() == 1.0  # one frame: nothing changes
+    # consecutive frames, not each frame against the first: A A -A -A changes once, cosines 1, -1, 1
+    once = torch.stack([pattern, pattern, 1 - pattern, 1 - pattern])
+    assert torch.allclose(temporal_consistency(once[None]), torch.tensor([1 / 3]), atol=1e-6)
 
 
 def test_video_rewards_are_marked_and_image_rewards_are_not():
