@@ -248,9 +248,15 @@ def check_workers(cfg: TrainConfig) -> None:
     require(trainer.placement_timeout_s > 0, f"trainer.placement_timeout_s={trainer.placement_timeout_s} must be positive")
 
 
-def check_logger(logger) -> None:
+def check_logger(logger, family: ModelFamily) -> None:
+    """Cadences; a video model's logged clips are mp4 files, whose encoder must be installed."""
     require(logger.console_every >= 1, f"logger.console_every={logger.console_every} must be >= 1")
     require(logger.image_every >= 0, f"logger.image_every={logger.image_every} must be >= 0")
+    if family.video and logger.image_every:
+        from omni.videos import video_backend_missing
+
+        missing = video_backend_missing()
+        require(not missing, f"logger.image_every={logger.image_every} logs model.family={family.name}'s clips as videos: {missing}")
 
 
 def check_rewards(reward) -> None:
@@ -342,7 +348,7 @@ def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
     check_trainer(cfg)
     check_full_finetuning(cfg)
     _lookup(get_algorithm, cfg.algorithm.name).check_config(cfg)
-    check_logger(cfg.logger)
+    check_logger(cfg.logger, family)
     check_rewards(cfg.reward)
     check_reward_kinds(cfg.reward, family)
     check_prompts(cfg.data, cfg.reward)
