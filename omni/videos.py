@@ -102,13 +102,44 @@ def _read_folder(path: Path) -> List[np.ndarray]:
     return frames
 
 
-def read_video(path) -> torch.Tensor:
-    """An mp4 file or a folder of frames -> (F, 3, H, W) float in [0, 1]; raises VideoError."""
+def read_frames(path) -> np.ndarray:
+    """An mp4 file or a folder of frames -> uint8 (F, H, W, 3); raises VideoError."""
     path = Path(path)
     if not path.exists():
         raise VideoError(f"video not found: {path}")
-    frames = _read_folder(path) if path.is_dir() else _read_mp4(path)
-    return torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2).float() / 255
+    return np.stack(_read_folder(path) if path.is_dir() else _read_mp4(path))
+
+
+def read_video(path) -> torch.Tensor:
+    """An mp4 file or a folder of frames -> (F, 3, H, W) float in [0, 1]; raises VideoError."""
+    return torch.from_numpy(read_frames(path)).permute(0, 3, 1, 2).float() / 255
+
+
+def count_frames(path) -> int:
+    """The frames of an mp4 file (its container's count, after its first frame decodes) or of
+    a frame folder (its image files, each header read), without decoding the clip; raises VideoError."""
+    path = Path(path)
+    if not path.exists():
+        raise VideoError(f"video not found: {path}")
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in FRAME_SUFFIXES)
+        if not files:
+            raise VideoError(f"frame folder {path} holds no image file ({', '.join(FRAME_SUFFIXES)})")
+        for file in files:
+            try:
+                with Image.open(file):
+                    pass
+            except Exception as error:  # PIL raises several types for corrupt data
+                raise VideoError(f"cannot read frame {file}: {error}") from error
+        return len(files)
+    cv2 = _cv2()
+    capture = cv2.VideoCapture(str(path))
+    try:
+        if not capture.isOpened() or not capture.read()[0]:
+            raise VideoError(f"cannot decode video {path}: not a video, or a codec this OpenCV lacks")
+        return int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
+    finally:
+        capture.release()
 
 
 def gif_bytes(clip: torch.Tensor, fps: int) -> bytes:
