@@ -181,12 +181,14 @@ class WanFamily(ModelFamily):
         patch = json.loads((root / "transformer" / "config.json").read_text())["patch_size"]
         return int(vae.get("scale_factor_spatial") or 8) * int(patch[1])
 
-    def sequence_length(self, transformer_config: dict, resolution: int, max_sequence_length: int, num_frames: int = 81) -> int:
-        """Video tokens a block's self-attention attends over (the text enters by cross-attention)."""
+    def sequence_length(self, transformer_config: dict, resolution, max_sequence_length: int, num_frames: int = 81) -> int:
+        """Video tokens a block's self-attention attends over (the text enters by cross-attention),
+        for `num_frames` frames of `resolution` pixels square, or (height, width)."""
         spatial = 16 if transformer_config["in_channels"] == 48 else 8  # Wan2.2's 48-channel VAE has factor 16
         _, p_h, p_w = transformer_config["patch_size"]
+        height, width = resolution if isinstance(resolution, (tuple, list)) else (resolution, resolution)
         frames = (num_frames - 1) // TEMPORAL_FACTOR + 1
-        return frames * (resolution // (spatial * p_h)) * (resolution // (spatial * p_w))
+        return frames * (height // (spatial * p_h)) * (width // (spatial * p_w))
 
     def forward_passes(self, guidance_scale: float) -> int:
         return 2 if guidance_scale > 1 else 1
