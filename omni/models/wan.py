@@ -193,6 +193,10 @@ class WanFamily(ModelFamily):
     def forward_passes(self, guidance_scale: float) -> int:
         return 2 if guidance_scale > 1 else 1
 
+    def pipeline_guidance(self, guidance_scale: float) -> dict:
+        """CFG on the negative prompt "", as our sampler runs it."""
+        return {"guidance_scale": guidance_scale, "negative_prompt": NEGATIVE_PROMPT}
+
     def check_settings(self, transformer_config: dict, model, rollout) -> None:
         if model.vae_inversion_steps:
             raise ValueError(f"model.vae_inversion_steps={model.vae_inversion_steps}: Wan's videos are encoded by its VAE's encoder (set 0)")
