@@ -75,7 +75,7 @@ def test_clips_are_written_as_videos_each_backend_can_decode(tmp_path, tiny_cach
     gif = Image.open(io.BytesIO(events.Images("rollout/videos")[0].encoded_image_string))
     assert (gif.n_frames, gif.size) == (5, (32, 16))
     gif.seek(2)
-    third = torch.from_numpy(np.asarray(gif.convert("RGB"))).permute(2, 0, 1).float() / 255
+    third = torch.from_numpy(np.array(gif.convert("RGB"))).permute(2, 0, 1).float() / 255
     assert (third - expected[2]).abs().mean() < 0.05
 
 
