@@ -56,6 +56,7 @@ class StepContext:
             sde_steps=sde_steps,
             sde_type=rollout.sde_type.value,
             ode_solver=rollout.ode_solver.value,
+            num_frames=rollout.num_frames,
         )
 
     def sample_and_score(

@@ -1,9 +1,17 @@
-"""Metric and image logging to the console, wandb (offline by default) and tensorboard."""
+"""Metric, image and video logging to the console, wandb (offline by default) and tensorboard.
+
+A video model's rollout clips (B, F, 3, H, W) are logged as a grid image (one row of frames
+per clip) and as a video whose every frame is a grid of the clips' frames at that time: an mp4
+file in the run directory (`videos/<tag>_<step>.mp4`), that file as a `wandb.Video`, and an
+animated GIF image summary in tensorboard (what `SummaryWriter.add_video` writes; it is
+written here because `add_video` encodes with moviepy 1.x, whose `moviepy.editor` is gone
+from moviepy 2, and otherwise logs nothing but a printed line).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -21,6 +29,8 @@ def image_grid(images: torch.Tensor, columns: int = 8) -> torch.Tensor:
 
 class MetricsLogger:
     def __init__(self, cfg, output_dir: Path):
+        self.output_dir = Path(output_dir)
+        self.fps = cfg.rollout.fps or cfg.model.fps
         self.backends = [backend.value for backend in cfg.logger.backends]
         self.console_every = cfg.logger.console_every
         self.wandb = self.tensorboard = None
@@ -49,9 +59,14 @@ class MetricsLogger:
                 self.tensorboard.add_scalar(key, value, step)
 
     def log_images(self, images: torch.Tensor, step: int, tag: str = "rollout/images") -> None:
-        """One grid of `images` (in [0, 1]) to every image backend, as 8-bit pixels: wandb
+        """One grid of `images` (in [0, 1]; clips: a row of frames each) to every image backend, as 8-bit pixels: wandb
         casts a float array to uint8 without scaling, which would turn the grid black."""
-        grid = image_grid(images.float().cpu())
+        images = images.float().cpu()
+        if images.ndim == 5:  # clips (B, F, 3, H, W): one row of frames per clip, at most 8 clips
+            grid = image_grid(images[:8].flatten(0, 1), columns=images.shape[1])
+            self.log_video(images, step, tag.replace("images", "videos"))
+        else:
+            grid = image_grid(images)
         pixels = (grid.clamp(0, 1) * 255).round().to(torch.uint8)
         if self.wandb is not None:
             import wandb
@@ -59,6 +74,26 @@ class MetricsLogger:
             self.wandb.log({tag: wandb.Image(pixels.permute(1, 2, 0).numpy())}, step=step)
         if self.tensorboard is not None:
             self.tensorboard.add_image(tag, pixels, step)
+
+    def log_video(self, clips: torch.Tensor, step: int, tag: str = "rollout/videos") -> Optional[Path]:
+        """Clips (B, F, 3, H, W) in [0, 1], at most 8 side by side, as one video: an mp4 file in
+        the run directory (returned), a wandb.Video of it, a tensorboard GIF."""
+        from omni.videos import gif_bytes, write_mp4
+
+        clips = clips.float().cpu()[:8]
+        frames = torch.stack([image_grid(clips[:, t]) for t in range(clips.shape[1])])
+        path = write_mp4(self.output_dir / "videos" / f"{tag.replace('/', '_')}_{step:06d}.mp4", frames, self.fps)
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({tag: wandb.Video(str(path), fps=self.fps, format="mp4")}, step=step)
+        if self.tensorboard is not None:
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            _, _, height, width = frames.shape
+            image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=gif_bytes(frames, self.fps))
+            self.tensorboard._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
+        return path
 
     def close(self) -> None:
         if self.wandb is not None:

@@ -6,7 +6,8 @@
 - rollout: images/s of our engine (SDE steps with log-probs, trajectory kept, text encoded
   every call) against the plain diffusers pipeline (`__call__`) on the same model, batch,
   steps, size, guidance and text length; also ours with each prompt's text conditioning
-  cached, as a training run samples (not in the ratio);
+  cached, as a training run samples (not in the ratio); a video model's clips are also
+  counted in frames/s, and the pipeline makes clips of the same frame count;
 - update: Flow-GRPO training transitions (sample x step) per second;
 - epoch: seconds per Flow-GRPO step of 2 prompts x 4 images, 10 steps, 64 px
   (rollout + reward + update + weight sync);
@@ -70,6 +71,8 @@ def bench_rollout(trainer: Trainer, n_images: int, repeats: int) -> dict:
     seeds = step_seeds(0, 0, n_images)
     engine = trainer.worker.engine
     pipe = engine.pipe
+    video = trainer.family.video
+    frames = {"num_frames": options.num_frames} if video else {}  # the same clips from the plain pipeline
 
     def ours():
         engine.prompts.rows.clear()  # the text encoders run every call, as the pipeline's do
@@ -83,10 +86,15 @@ def bench_rollout(trainer: Trainer, n_images: int, repeats: int) -> dict:
             pipe(
                 prompts, num_inference_steps=options.num_steps, height=options.resolution, width=options.resolution,
                 max_sequence_length=options.max_sequence_length, generator=[torch.Generator().manual_seed(s) for s in seeds],
-                output_type="pt", **trainer.family.pipeline_guidance(options.guidance_scale),
+                output_type="pt", **trainer.family.pipeline_guidance(options.guidance_scale), **frames,
             )
 
     ours_s, cached_s, plain_s = best_time(ours, repeats), best_time(ours_cached, repeats), best_time(plain, repeats)
+    clips = {}
+    if video:
+        clips = {"frames": options.num_frames, "ours_frames_per_s": n_images * options.num_frames / ours_s,
+                 "ours_cached_text_frames_per_s": n_images * options.num_frames / cached_s,
+                 "diffusers_pipeline_frames_per_s": n_images * options.num_frames / plain_s}  # fmt: skip
     return {
         "model": trainer.cfg.model.family,
         "images": n_images,
@@ -97,6 +105,7 @@ def bench_rollout(trainer: Trainer, n_images: int, repeats: int) -> dict:
         "ours_images_per_s": n_images / ours_s,
         "ours_cached_text_images_per_s": n_images / cached_s,
         "diffusers_pipeline_images_per_s": n_images / plain_s,
+        **clips,
         "ratio_vs_pipeline": plain_s / ours_s,
     }
 

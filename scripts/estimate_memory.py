@@ -9,11 +9,16 @@ the LoRA the run's config puts on it and the optimizer state, and estimates acti
         --gradient-checkpointing experiment=sd3_flow_grpo model.path=/ckpt/sd3.5-large
     python scripts/estimate_memory.py model=flux trainer.n_workers=8   # FLUX.1-dev/-schnell on 8 GPUs
     python scripts/estimate_memory.py experiment=flux_flow_grpo --resolution 512  # a preset chooses the model
+    python scripts/estimate_memory.py model=wan --arch wan2.1-t2v-14b rollout.num_frames=33 --resolution 240x416 \
+        trainer.n_workers=8 --gradient-checkpointing --gpu-memory 80   # a video model: its frames, HxW
 
 Trailing arguments are the run's Hydra overrides (model family, LoRA rank and targets, dtype,
 workers, FSDP version, text length, guidance). Prints JSON, one object per configuration, in GiB.
 The family (`model=...`, default sd3) names its published architectures, its text encoders'
-and VAE's sizes, its token count per image and whether guidance doubles the batch.
+and VAE's sizes, its token count per image and whether guidance doubles the batch. A video
+model's tokens count its clips' frames (`rollout.num_frames`, else the model's), and its
+`--resolution` may be HEIGHTxWIDTH. With `--gpu-memory GIB`, an estimate above it is an error
+that names the frames and resolution (nothing else checks this before a run).
 
 What is counted, per GPU: the actor's weights (sharded over the workers by FSDP, plus the
 two blocks it gathers at a time), the LoRA's fp32 masters, gradients and AdamW state
@@ -105,6 +110,36 @@ def estimate(
     return {**gib, **{f"{k}_phase": round(v / GIB, 2) for k, v in phases.items()}, "total": round(max(phases.values()) / GIB, 2)}
 
 
+def parse_size(text: str):
+    """'512' -> 512; '240x416' -> (240, 416) (height x width)."""
+    try:
+        parts = [int(v) for v in text.lower().split("x")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--resolution {text}: expected pixels (512) or HEIGHTxWIDTH (240x416)") from None
+    if len(parts) not in (1, 2) or min(parts) <= 0:
+        raise argparse.ArgumentTypeError(f"--resolution {text}: expected pixels (512) or HEIGHTxWIDTH (240x416)")
+    return parts[0] if len(parts) == 1 else tuple(parts)
+
+
+def check_fits(results: list, gpu_memory: float) -> None:
+    """Refuse an architecture and resolution whose every estimate (with and without gradient
+    checkpointing, as asked) exceeds `gpu_memory` GiB per GPU, naming its frames and size."""
+    best = {}
+    for row in results:
+        key = (row["arch"], str(row["resolution"]))
+        if key not in best or row["gib_per_gpu"]["total"] < best[key]["gib_per_gpu"]["total"]:
+            best[key] = row
+    for row in best.values():
+        if row["gib_per_gpu"]["total"] > gpu_memory:
+            size = "x".join(map(str, row["resolution"])) if isinstance(row["resolution"], tuple) else row["resolution"]
+            frames = f"rollout.num_frames={row['num_frames']} at " if row["num_frames"] > 1 else ""
+            raise SystemExit(
+                f"{row['arch']}: {frames}resolution {size} needs about {row['gib_per_gpu']['total']} GiB per GPU "
+                f"(micro-batch {row['micro_batch']}, {row['workers']} workers, gradient checkpointing {row['checkpointing']}), "
+                f"more than --gpu-memory {gpu_memory}: fewer frames, a smaller resolution or micro-batch, or more workers"
+            )
+
+
 def run_config(overrides):
     from hydra import compose, initialize_config_dir
 
@@ -120,9 +155,10 @@ def run_config(overrides):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", help="a published architecture of the family or a checkpoint directory (default: model.path, else all)")
-    parser.add_argument("--resolution", type=int, action="append", help="default: 512 and 1024")
+    parser.add_argument("--resolution", type=parse_size, action="append", help="pixels or HEIGHTxWIDTH (video models); default: 512 and 1024")
     parser.add_argument("--micro-batch", type=int, help="default: trainer.micro_batch_size")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="only with (default: both)")
+    parser.add_argument("--gpu-memory", type=float, help="GiB per GPU: an estimate above it is an error")
     args, overrides = parser.parse_known_args(argv)
     # the model a preset or `model=` chooses, else SD3 (a real checkpoint's settings, not the tiny one's)
     chosen = any(o.startswith(("model=", "experiment=")) for o in overrides)
@@ -143,21 +179,27 @@ def main(argv=None) -> None:
     dtype = "bfloat16" if cfg.model.dtype == "auto" else str(cfg.model.dtype.value)
     guidance = cfg.rollout.guidance_scale if cfg.rollout.guidance_scale is not None else cfg.model.guidance_scale
     micro_batch = args.micro_batch or cfg.trainer.micro_batch_size
+    frames = (cfg.rollout.num_frames or cfg.model.num_frames) if family.video else 1
+    clip = {"num_frames": frames} if family.video else {}
+    if not family.video and any(isinstance(r, tuple) for r in args.resolution or ()):
+        raise SystemExit(f"--resolution HEIGHTxWIDTH: model.family={family.name} samples square images; give one number")
     results = []
     for arch in archs:
         config = arch_config(family, arch)
         sizes = count(family, config, lora)
         for resolution in args.resolution or [512, 1024]:
             for checkpointing in [True] if args.gradient_checkpointing else [False, True]:
-                tokens = family.sequence_length(config, resolution, cfg.model.max_sequence_length)
+                tokens = family.sequence_length(config, resolution, cfg.model.max_sequence_length, **clip)
                 settings = dict(micro_batch=micro_batch, workers=cfg.trainer.n_workers, fsdp=cfg.model.fsdp.version,
                                 dtype=dtype, passes=family.forward_passes(guidance), checkpointing=checkpointing,
                                 shared=shares_actor(cfg), offload=cfg.rollout.offload_text_encoders)  # fmt: skip
                 results.append({"arch": arch, "params": sizes["params"], "lora_params": sizes["lora_params"],
-                                "resolution": resolution, "tokens": tokens, **settings,
+                                "resolution": resolution, "num_frames": frames, "tokens": tokens, **settings,
                                 "gib_per_gpu": estimate(sizes, tokens, **settings)})  # fmt: skip
     json.dump(results, sys.stdout, indent=1)
     print()
+    if args.gpu_memory is not None:
+        check_fits(results, args.gpu_memory)
 
 
 if __name__ == "__main__":

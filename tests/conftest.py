@@ -1,5 +1,5 @@
 """Shared fixtures: the real Hydra config composed with the compose API, and one tiny SD3 (and
-one tiny FLUX and Qwen-Image) checkpoint built offline per test session."""
+one tiny FLUX, Qwen-Image and Wan) checkpoint built offline per test session."""
 
 from __future__ import annotations
 
@@ -77,6 +77,13 @@ def tiny_qwen_image_dir(tiny_cache) -> Path:
     from omni.models.qwen_image import tiny_qwen_image_path
 
     return tiny_qwen_image_path(tiny_cache, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_dir(tiny_cache) -> Path:
+    from omni.models.wan import tiny_wan_path
+
+    return tiny_wan_path(tiny_cache, seed=0)
 
 
 @pytest.fixture(scope="session")

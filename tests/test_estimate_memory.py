@@ -83,3 +83,27 @@ def test_published_qwen_image_on_eight_gpus(capsys):
     assert row["arch"] == "qwen-image" and 20.0e9 < row["params"] < 20.7e9
     assert row["passes"] == 2 and row["tokens"] == (1024 // 16) ** 2 + 256 and row["workers"] == 8
     assert row["gib_per_gpu"]["actor_weights"] < row["params"] * 2 / 2**30 / 4
+
+
+def test_published_wan_14b_counts_its_frames(capsys):
+    """Wan2.1-T2V-14B's real architecture (40 blocks, 5120 wide) at flow_grpo's video size: 33
+    frames of 240x416 are 9 latent frames of 15 x 26 patches; CFG doubles the passes. The
+    frames come from rollout.num_frames, so 81 frames are 21 latent frames."""
+    script = load_script()
+    args = ["model=wan", "--arch", "wan2.1-t2v-14b", "trainer.n_workers=8", "--resolution", "240x416", "--gradient-checkpointing"]
+    script.main([*args, "rollout.num_frames=33", "--gpu-memory", "80"])
+    (row,) = json.loads(capsys.readouterr().out)
+    assert 14.0e9 < row["params"] < 14.5e9 and row["num_frames"] == 33 and row["tokens"] == 9 * 15 * 26
+    assert row["passes"] == 2 and row["gib_per_gpu"]["actor_weights"] < row["params"] * 2 / 2**30 / 4
+    assert row["gib_per_gpu"]["total"] < 80
+    script.main([*args, "rollout.num_frames=81"])
+    (longer,) = json.loads(capsys.readouterr().out)
+    assert longer["tokens"] == 21 * 15 * 26 and longer["gib_per_gpu"]["activations"] > row["gib_per_gpu"]["activations"]
+
+
+def test_a_clip_that_does_not_fit_is_refused_naming_its_frames_and_size(capsys):
+    args = ["model=wan", "--arch", "wan2.1-t2v-14b", "trainer.n_workers=8", "rollout.num_frames=81", "--resolution", "480x832"]
+    with pytest.raises(SystemExit, match=r"rollout.num_frames=81 at resolution 480x832 needs about .* more than --gpu-memory 80"):
+        load_script().main([*args, "--gpu-memory", "80"])
+    with pytest.raises(SystemExit, match="samples square images"):
+        load_script().main(["model=sd3", "--resolution", "240x416"])

@@ -38,6 +38,10 @@ WORLD4 = 4  # HSDP (2 x 2 mesh) and partial post-forward resharding need 4 ranks
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_out"]  # proj_out: a root-level Linear
 SD3_PREFIXES = ("transformer_blocks.",)
 FLUX_PREFIXES = ("transformer_blocks.", "single_transformer_blocks.")
+WAN_PREFIXES = ("blocks.",)
+# Wan's forward reads its time embedder's first parameter (for its dtype), which FSDP1 without
+# use_orig_params flattens away; our workers shard with use_orig_params=True or FSDP2.
+WAN_WRAPPINGS = ("plain", "fsdp1_blocks", "fsdp1_lora_orig", "fsdp2")
 WRAPPINGS = ("plain", "fsdp1_blocks", "fsdp1_lora_orig", "fsdp1_lora_flat", "fsdp2")
 STATES = ("fresh", "stepped")
 ADAPTER_CASES = {  # name: (adapters the model has, adapter asked for)
@@ -79,6 +83,9 @@ def _cell_specs() -> dict[str, list[str] | None]:
         cells[f"{w}-flux_base"] = None
         cells[f"{w}-qwen_image_lora"] = None
         cells[f"{w}-qwen_image_base"] = None
+        if w in WAN_WRAPPINGS:
+            cells[f"{w}-wan_lora"] = None
+            cells[f"{w}-wan_base"] = None
         cells[f"{w}-diffusers_load_lora_adapter"] = None
         cells[f"{w}-layered_gathering"] = None
         cells[f"{w}-summon"] = None
@@ -144,7 +151,16 @@ def _build_qwen_image(seed=0):
     return QwenImageTransformer2DModel(**TINY_TRANSFORMER)
 
 
-BUILDERS = {"sd3": _build_sd3, "flux": _build_flux, "qwen_image": _build_qwen_image}
+def _build_wan(seed=0):
+    from diffusers import WanTransformer3DModel
+
+    from omni.models.wan import TINY_TRANSFORMER
+
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(**TINY_TRANSFORMER)
+
+
+BUILDERS = {"sd3": _build_sd3, "flux": _build_flux, "qwen_image": _build_qwen_image, "wan": _build_wan}
 
 
 def _with_adapters(kind, adapters, lora_seed=1, base_seed=0):
@@ -171,6 +187,14 @@ def _inputs(model):
             hidden_states=torch.randn(1, 16, 64, generator=g), encoder_hidden_states=text,
             encoder_hidden_states_mask=torch.ones(1, 5), timestep=torch.tensor([0.5]), img_shapes=[[(1, 4, 4)]],
             return_dict=False,
+        )  # fmt: skip
+    if any(n.endswith("patch_embedding") for n, _ in model.named_modules()):  # Wan: a 2-frame 4x4 video latent
+        from omni.models.wan import TINY_TRANSFORMER
+
+        return dict(
+            hidden_states=torch.randn(1, 16, 2, 4, 4, generator=g),
+            encoder_hidden_states=torch.randn(1, 5, TINY_TRANSFORMER["text_dim"], generator=g),
+            timestep=torch.tensor([500.0]), return_dict=False,
         )  # fmt: skip
     return dict(
         hidden_states=torch.randn(1, 4, 8, 8, generator=g), encoder_hidden_states=torch.randn(1, 6, 64, generator=g),
@@ -384,6 +408,20 @@ def _prefix_cells(w) -> dict:
         f"{w}-qwen_image_base": _record(
             lambda: _collect_cell("qwen_image", qwen, qwen_ref, False, False, "default", SD3_PREFIXES)
         ),
+        **_wan_cells(w),
+    }
+
+
+def _wan_cells(w) -> dict:
+    """Wan's 5-D video transformer after a step: LoRA (layered) and base weights collected exactly."""
+    if w not in WAN_WRAPPINGS:
+        return {}
+    wan, wan_ref = _wrap(_with_adapters("wan", ("default",)), w), _with_adapters("wan", ("default",))
+    _train_step(wan)
+    _train_step(wan_ref)
+    return {
+        f"{w}-wan_lora": _record(lambda: _collect_cell("wan", wan, wan_ref, True, True, "default", WAN_PREFIXES)),
+        f"{w}-wan_base": _record(lambda: _collect_cell("wan", wan, wan_ref, False, False, "default", WAN_PREFIXES)),
     }
 
 
@@ -734,6 +772,7 @@ def _free_port() -> int:
 _WORKER_PRELOAD = [
     __name__, "peft", "omni.fsdp_utils", "omni.models.sd3", "torch.distributed.fsdp",
     "diffusers.models.transformers.transformer_sd3", "diffusers.models.transformers.transformer_flux",
+    "diffusers.models.transformers.transformer_wan",
 ]  # fmt: skip
 
 

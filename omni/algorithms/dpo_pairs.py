@@ -70,10 +70,10 @@ class PairData:
     def __init__(self, cfg, key: str = "data.pairs"):
         data = cfg.data
         self.cfg, self.key = cfg, key
-        self.source: PairSource = open_pair_source(data.pairs, key)
+        family = get_family(cfg.model.family)
+        self.source: PairSource = open_pair_source(data.pairs, key, cfg.rollout.num_frames if family.video else None)
         self.cache: Optional[latent_cache.LatentCache] = None
         self.first_bad: Optional[str] = None
-        family = get_family(cfg.model.family)
         self.conditioning = family.conditioning
         self.cache_key = latent_cache.cache_key(cfg, self.source, family, model_dir(cfg.model)) if data.latent_cache else None
         if self.cache_key is not None and latent_cache.is_complete(data.latent_cache):

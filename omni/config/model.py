@@ -52,6 +52,9 @@ class ModelConfig:
     resolution: int = 512
     guidance_scale: float = 4.5
     max_sequence_length: int = 256
+    # Frames per clip and frame rate of a video model; an image model makes 1 frame.
+    num_frames: int = 1
+    fps: int = 16
     # Encode images (DPO's pairs) by this many Adam steps inverting the VAE's decoder instead
     # of with its encoder: for a VAE whose encoder does not invert its decoder, as a tiny
     # random one's does not. 0: the encoder (what a trained VAE is for).

@@ -40,6 +40,10 @@ class RolloutConfig:
     # None: the model's native value (model.resolution, model.guidance_scale).
     resolution: Optional[int] = None
     guidance_scale: Optional[float] = None
+    # Frames per clip of a video model (Wan: 4k+1) and the frame rate its videos are saved
+    # and logged at; None: the model's (model.num_frames, model.fps; 1 for image models).
+    num_frames: Optional[int] = None
+    fps: Optional[int] = None
     # The stochastic step of SDE-based algorithms (see SDEType).
     sde_type: SDEType = SDEType.sde
     # Its noise scale: a in sigma_t = a * sqrt(t / (1 - t)) for sde; eta in (0, 1] for cps,

@@ -94,6 +94,11 @@ def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
         f"rollout.resolution={rollout.resolution}: this model takes multiples of {multiple} (VAE factor x patch size)",
     )
     require(rollout.num_steps >= 2, f"rollout.num_steps={rollout.num_steps}: need at least 2")
+    require(rollout.fps > 0, f"rollout.fps={rollout.fps} must be positive")
+    require(
+        family.video or rollout.num_frames == 1,
+        f"rollout.num_frames={rollout.num_frames}: model.family={family.name} makes images (1 frame); frames are for video models",
+    )
     require(rollout.noise_level > 0, f"rollout.noise_level={rollout.noise_level} must be positive")
     require(
         rollout.sde_type != SDEType.cps or rollout.noise_level <= 1,
@@ -243,9 +248,15 @@ def check_workers(cfg: TrainConfig) -> None:
     require(trainer.placement_timeout_s > 0, f"trainer.placement_timeout_s={trainer.placement_timeout_s} must be positive")
 
 
-def check_logger(logger) -> None:
+def check_logger(logger, family: ModelFamily) -> None:
+    """Cadences; a video model's logged clips are mp4 files, whose encoder must be installed."""
     require(logger.console_every >= 1, f"logger.console_every={logger.console_every} must be >= 1")
     require(logger.image_every >= 0, f"logger.image_every={logger.image_every} must be >= 0")
+    if family.video and logger.image_every:
+        from omni.videos import video_backend_missing
+
+        missing = video_backend_missing()
+        require(not missing, f"logger.image_every={logger.image_every} logs model.family={family.name}'s clips as videos: {missing}")
 
 
 def check_rewards(reward) -> None:
@@ -263,6 +274,20 @@ def check_rewards(reward) -> None:
         any(options.weight != 0 for options in reward.components.values()),
         f"reward.components: every weight is 0 ({ {n: o.weight for n, o in reward.components.items()} }), so the reward is 0",
     )
+
+
+def check_reward_kinds(reward, family: ModelFamily) -> None:
+    """Clip rewards for a video model, image rewards for an image model."""
+    for name in reward.components:
+        takes_video = REWARDS.get(name).video
+        if family.video:
+            require(
+                takes_video,
+                f"reward.components.{name} scores images but model.family={family.name} makes videos: score each frame "
+                f"and average with reward.components.frame_average.image={name} (e.g. reward=frame_brightness)",
+            )
+        else:
+            require(not takes_video, f"reward.components.{name} scores videos but model.family={family.name} makes images")
 
 
 def check_prompts(data, reward) -> None:
@@ -302,6 +327,10 @@ def resolve(cfg: TrainConfig, family: ModelFamily) -> None:
         cfg.rollout.resolution = cfg.model.resolution
     if cfg.rollout.guidance_scale is None:
         cfg.rollout.guidance_scale = cfg.model.guidance_scale
+    if cfg.rollout.num_frames is None:
+        cfg.rollout.num_frames = cfg.model.num_frames
+    if cfg.rollout.fps is None:
+        cfg.rollout.fps = cfg.model.fps
     lora = cfg.model.lora
     if lora is not None and lora.target_modules is None:
         lora.target_modules = list(family.lora_targets)
@@ -319,7 +348,8 @@ def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
     check_trainer(cfg)
     check_full_finetuning(cfg)
     _lookup(get_algorithm, cfg.algorithm.name).check_config(cfg)
-    check_logger(cfg.logger)
+    check_logger(cfg.logger, family)
     check_rewards(cfg.reward)
+    check_reward_kinds(cfg.reward, family)
     check_prompts(cfg.data, cfg.reward)
     return cfg

@@ -89,6 +89,7 @@ def cache_key(cfg, source, family, model_dir: Path) -> dict:
         "family": family.name,
         "encoders": encoder_fingerprint(Path(model_dir), family.text_encoders),
         "resolution": cfg.rollout.resolution,
+        **({"num_frames": cfg.rollout.num_frames} if family.video else {}),  # image caches keep their key
         "max_sequence_length": cfg.model.max_sequence_length,
         "dtype": cfg.model.dtype,
         "vae_inversion_steps": cfg.model.vae_inversion_steps,
@@ -101,6 +102,7 @@ KEY_NAMES = {
     "version": "cache format version",
     "family": "model.family",
     "resolution": "rollout.resolution",
+    "num_frames": "rollout.num_frames",
     "max_sequence_length": "model.max_sequence_length",
     "dtype": "model.dtype",
     "vae_inversion_steps": "model.vae_inversion_steps",

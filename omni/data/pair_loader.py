@@ -96,7 +96,7 @@ class PairImages(Dataset):
         try:
             if isinstance(values, BadRow):
                 raise values
-            pair = decode_row(values, self.source.base_dir)
+            pair = decode_row(values, self.source.base_dir, self.source.num_frames)
         except BadRow as error:  # a body that fails to decode behind the header the scan read
             message = bad_row_message(self.source, row, self.key, error)
             if not self.skip_bad_rows:

@@ -48,6 +48,8 @@ class PairSource:
     """Random access to the rows of a preference data set (see the module docstring)."""
 
     base_dir: Path  # image paths in rows are relative to it
+    # A video model's pairs: clips of this many frames (`omni.data.preferences`); None: images.
+    num_frames: Optional[int] = None
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -256,9 +258,16 @@ def _expand(path_text: str, key: str) -> List[Path]:
     return []  # a folder without shards: a saved dataset, or nothing usable
 
 
-def open_pair_source(path: str | os.PathLike, key: str = "data.pairs") -> PairSource:
+def open_pair_source(path: str | os.PathLike, key: str = "data.pairs", num_frames: Optional[int] = None) -> PairSource:
     """A source over the preference data at `path` (file, folder of shards, glob, or
-    save_to_disk directory); raises naming `key` when there is nothing to read."""
+    save_to_disk directory), whose rows hold clips of `num_frames` frames (None: images);
+    raises naming `key` when there is nothing to read."""
+    source = _open_source(path, key)
+    source.num_frames = num_frames
+    return source
+
+
+def _open_source(path, key: str) -> PairSource:
     files = _expand(str(path), key)
     if not files:
         return SavedDatasetSource(Path(path).expanduser())
@@ -295,7 +304,7 @@ def scan(source: PairSource, key: str = "data.pairs", skip_bad_rows: bool = Fals
         try:
             if isinstance(values, BadRow):
                 raise values
-            check_row(values, source.base_dir)
+            check_row(values, source.base_dir, source.num_frames)
             good.append(row)
         except TiedRow:
             stats["skipped_ties"] += 1
@@ -316,17 +325,17 @@ def scan(source: PairSource, key: str = "data.pairs", skip_bad_rows: bool = Fals
 
 
 def load_preference_pairs(
-    path: str | os.PathLike, key: str = "data.pairs", skip_bad_rows: bool = False
+    path: str | os.PathLike, key: str = "data.pairs", skip_bad_rows: bool = False, num_frames: Optional[int] = None
 ) -> Tuple[List[PreferencePair], Dict[str, int]]:
     """All pairs of a (small) preference set, decoded, in memory, and the counts {"rows",
     "pairs", "skipped_bad", "skipped_ties"}; training streams them instead
     (`omni.data.pair_loader`)."""
-    source = open_pair_source(path, key)
+    source = open_pair_source(path, key, num_frames)
     found = scan(source, key, skip_bad_rows)
     pairs = []
     for row, values in zip(found.good_rows.tolist(), source.rows(found.good_rows)):
         try:
-            pairs.append(decode_row(values, source.base_dir))
+            pairs.append(decode_row(values, source.base_dir, source.num_frames))
         except BadRow as error:  # a body that fails to decode behind a readable header
             if not skip_bad_rows:
                 raise ValueError(bad_row_message(source, row, key, error)) from error

@@ -1,6 +1,10 @@
 """Preference pairs (prompt, chosen image, rejected image) for Diffusion-DPO: the layout of
 a row, its checks, decoding, and a synthetic set.
 
+A video model's pairs hold clips instead: each of `chosen` and `rejected` is a path to an mp4
+file or a folder of frames (`omni.videos`), of exactly the run's `rollout.num_frames` frames
+(`num_frames` below; None for an image model's pairs).
+
 A row has `prompt`, `chosen`, `rejected` (images as paths relative to the data's directory
 or absolute, raw bytes, or {"bytes": ..., "path": ...} structs), or Pick-a-Pic's columns:
 `caption`, `jpg_0`, `jpg_1`, `label_0` (1: image 0 preferred, 0: image 1 preferred, 0.5: a
@@ -19,7 +23,7 @@ import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -33,8 +37,8 @@ VALID_LABELS = (0.0, 0.5, 1.0)
 @dataclass(frozen=True)
 class PreferencePair:
     prompt: str
-    chosen: Image.Image  # RGB
-    rejected: Image.Image  # RGB
+    chosen: Union[Image.Image, np.ndarray]  # RGB; a clip: uint8 frames (F, H, W, 3)
+    rejected: Union[Image.Image, np.ndarray]
 
 
 class BadRow(ValueError):
@@ -80,6 +84,34 @@ def _open_image(value, base_dir: Path, column: str, decode: bool = True) -> Opti
         raise BadRow(f"cannot read image {name}: {error}") from error
 
 
+def _open_clip(value, base_dir: Path, column: str, num_frames: int, decode: bool = True) -> Optional[np.ndarray]:
+    """A path to an mp4 file or a frame folder (relative to `base_dir` or absolute) -> its
+    uint8 frames (F, H, W, 3), which must number `num_frames`; without `decode`, its frames are
+    counted only (None)."""
+    from omni.videos import VideoError, count_frames, read_frames
+
+    if isinstance(value, dict):
+        value = value.get("path")
+    if not isinstance(value, (str, os.PathLike)):
+        raise BadRow(f"column '{column}' holds a {type(value).__name__}, not a video path (an mp4 file or a frame folder)")
+    path = Path(value).expanduser()
+    source = path if path.is_absolute() else base_dir / path
+    try:
+        frames = read_frames(source) if decode else None
+        count = len(frames) if decode else count_frames(source)
+    except VideoError as error:
+        raise BadRow(f"column '{column}': {error}") from error
+    if count != num_frames:
+        raise BadRow(f"video {source} in column '{column}' has {count} frames; the run's clips have rollout.num_frames={num_frames}")
+    return frames
+
+
+def _open_media(value, base_dir: Path, column: str, num_frames: Optional[int], decode: bool = True):
+    if num_frames is None:
+        return _open_image(value, base_dir, column, decode)
+    return _open_clip(value, base_dir, column, num_frames, decode)
+
+
 def _prompt(value, column: str) -> str:
     if not isinstance(value, str):
         raise BadRow(f"column '{column}' holds a {type(value).__name__}, not a text prompt")
@@ -118,21 +150,23 @@ def _columns(row) -> Tuple[str, str, str]:
     return "prompt", "chosen", "rejected"
 
 
-def check_row(row, base_dir: Path) -> None:
-    """Raise BadRow or TiedRow for a row that cannot become a pair, reading image headers only."""
+def check_row(row, base_dir: Path, num_frames: Optional[int] = None) -> None:
+    """Raise BadRow or TiedRow for a row that cannot become a pair, reading image headers only
+    (clips: their frame counts, see `omni.videos.count_frames`)."""
     prompt, chosen, rejected = _columns(row)
     _prompt(row[prompt], prompt)
-    _open_image(row[chosen], base_dir, chosen, decode=False)
-    _open_image(row[rejected], base_dir, rejected, decode=False)
+    _open_media(row[chosen], base_dir, chosen, num_frames, decode=False)
+    _open_media(row[rejected], base_dir, rejected, num_frames, decode=False)
 
 
-def decode_row(row, base_dir: Path) -> PreferencePair:
-    """One row in either layout -> a pair with decoded images; raises BadRow or TiedRow."""
+def decode_row(row, base_dir: Path, num_frames: Optional[int] = None) -> PreferencePair:
+    """One row in either layout -> a pair with decoded images (clips of `num_frames` frames);
+    raises BadRow or TiedRow."""
     prompt, chosen, rejected = _columns(row)
     return PreferencePair(
         prompt=_prompt(row[prompt], prompt),
-        chosen=_open_image(row[chosen], base_dir, chosen),
-        rejected=_open_image(row[rejected], base_dir, rejected),
+        chosen=_open_media(row[chosen], base_dir, chosen, num_frames),
+        rejected=_open_media(row[rejected], base_dir, rejected, num_frames),
     )
 
 
@@ -151,19 +185,27 @@ def _resize_and_center_crop(image: Image.Image, resolution: int) -> Image.Image:
     return image
 
 
-def images_to_uint8(images: Sequence[Image.Image], resolution: int) -> torch.Tensor:
-    """PIL images -> uint8 pixels (B, resolution, resolution, 3), resized and centre-cropped."""
-    if not images:
+def _square(image, resolution: int) -> np.ndarray:
+    """A PIL image, or a clip's uint8 frames (F, H, W, 3), resized and centre-cropped."""
+    if isinstance(image, np.ndarray):
+        return np.stack([_square(Image.fromarray(frame), resolution) for frame in image])
+    return np.asarray(_resize_and_center_crop(image.convert("RGB"), resolution), dtype=np.uint8)
+
+
+def images_to_uint8(images: Sequence, resolution: int) -> torch.Tensor:
+    """PIL images -> uint8 pixels (B, resolution, resolution, 3), resized and centre-cropped;
+    clips (uint8 frames (F, H, W, 3) each) -> (B, F, resolution, resolution, 3)."""
+    if not len(images):
         raise ValueError("images_to_tensor needs at least one image")
-    arrays = [np.asarray(_resize_and_center_crop(im.convert("RGB"), resolution), dtype=np.uint8) for im in images]
-    return torch.from_numpy(np.stack(arrays))
+    return torch.from_numpy(np.stack([_square(im, resolution) for im in images]))
 
 
 def uint8_to_batch(pixels: torch.Tensor) -> torch.Tensor:
-    """uint8 pixels (B, H, W, 3) -> float32 (B, 3, H, W) in [0, 1]. The batch stays
-    channels-last in memory: the CPU's convolutions take it fastest, and the VAE's numbers
-    depend (by rounding) on the layout, so every path hands it the same one."""
-    return pixels.permute(0, 3, 1, 2).float().div(255.0)
+    """uint8 pixels (B, H, W, 3) -> float32 (B, 3, H, W) in [0, 1] (clips: (B, F, H, W, 3) ->
+    (B, F, 3, H, W)). The batch stays channels-last in memory: the CPU's convolutions take it
+    fastest, and the VAE's numbers depend (by rounding) on the layout, so every path hands it
+    the same one."""
+    return pixels.movedim(-1, -3).float().div(255.0)
 
 
 def images_to_tensor(images: Sequence[Image.Image], resolution: int) -> torch.Tensor:

@@ -131,3 +131,39 @@ def write_synthetic_pairs(
     if layout == "jsonl":
         return _write_jsonl(Path(out_dir), pairs, IMAGE_FORMATS[image_format][1])
     return _write_parquet(Path(out_dir), pairs, shard_size, row_group_size)
+
+
+def write_synthetic_video_pairs(out_dir: str | os.PathLike, n_pairs: int, resolution: int = 32, num_frames: int = 5, seed: int = 0,
+                                prompts: Optional[Sequence[str]] = None, fps: int = 8) -> Path:
+    """The video form of the set, for a video model's DPO: each pair's chosen clip is its
+    rejected one `2 * BRIGHTNESS_GAP` lighter; a clip is one smooth image panning right a
+    pixel a frame. Even pairs are mp4 files, odd pairs folders of PNG frames (both forms a
+    row may name); returns the JSONL file."""
+    from omni.videos import write_mp4
+
+    if prompts is None:
+        from omni.data.prompts import load_prompts
+
+        prompts = load_prompts("omni:colors_train")
+    out_dir = Path(out_dir)
+    (out_dir / "clips").mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    coarse = torch.rand(n_pairs, 3, 4, 4, generator=generator)
+    wide = BRIGHTNESS_GAP + (1 - 2 * BRIGHTNESS_GAP) * _smooth(coarse, resolution + num_frames)
+    jsonl = out_dir / "pairs.jsonl"
+    with jsonl.open("w", encoding="utf-8") as lines:
+        for i in range(n_pairs):
+            clip = torch.stack([wide[i, :, :resolution, t : t + resolution] for t in range(num_frames)])
+            names = {}
+            for side, sign in (("chosen", 1), ("rejected", -1)):
+                frames = clip + sign * BRIGHTNESS_GAP
+                if i % 2 == 0:
+                    names[side] = f"clips/pair_{i:05d}_{side}.mp4"
+                    write_mp4(out_dir / names[side], frames, fps)
+                else:
+                    names[side] = f"clips/pair_{i:05d}_{side}"
+                    (out_dir / names[side]).mkdir(exist_ok=True)
+                    for t, frame in enumerate(frames):
+                        (out_dir / names[side] / f"{t:04d}.png").write_bytes(_png(frame))
+            lines.write(json.dumps({"prompt": prompts[i % len(prompts)], **names}) + "\n")
+    return jsonl

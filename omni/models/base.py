@@ -123,6 +123,9 @@ class ModelFamily:
     # Modules a LoRA targets by default, and the pipeline's text encoder attributes.
     lora_targets: Tuple[str, ...] = ()
     text_encoders: Tuple[str, ...] = ()
+    # Whether it makes videos: `decode` gives clips (B, F, 3, H, W), `rollout.num_frames` counts
+    # their frames, and rewards must score clips (validation checks both).
+    video: bool = False
     # Whether the vLLM-Omni engine (rollout=vllm) serves this family; validation refuses it otherwise.
     vllm_served: bool = False
     # For memory estimates: published architectures (name -> transformer config in
@@ -238,8 +241,9 @@ class ModelFamily:
         pipe.scheduler.set_timesteps(num_steps, device="cpu")
         return pipe.scheduler.sigmas.float().clone()
 
-    def initial_latents(self, pipe, generators: Sequence[torch.Generator], resolution: int) -> torch.Tensor:
-        """One initial noise latent per generator, in the transformer's input layout, fp32 CPU."""
+    def initial_latents(self, pipe, generators: Sequence[torch.Generator], resolution: int, num_frames: int = 1) -> torch.Tensor:
+        """One initial noise latent per generator, in the transformer's input layout, fp32 CPU;
+        `num_frames`: a video family's frames per clip (an image family takes 1)."""
         raise NotImplementedError
 
     def predict_velocity(self, transformer, latents, sigmas, cond: Conditioning, guidance_scale: float) -> torch.Tensor:
@@ -249,7 +253,7 @@ class ModelFamily:
         raise NotImplementedError
 
     def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:
-        """Latents -> images (B, 3, H, W) in [0, 1]."""
+        """Latents -> images (B, 3, H, W), or a video family's clips (B, F, 3, H, W), in [0, 1]."""
         raise NotImplementedError
 
     def encode_images(self, pipe, images: torch.Tensor, device, inversion_steps: int = 0) -> torch.Tensor:

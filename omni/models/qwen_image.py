@@ -317,7 +317,7 @@ class QwenImageFamily(ModelFamily):
         shifted noise levels to its terminal value)."""
         return shifted_sigmas(pipe, num_steps, resolution)
 
-    def initial_latents(self, pipe, generators: Sequence[torch.Generator], resolution: int) -> torch.Tensor:
+    def initial_latents(self, pipe, generators: Sequence[torch.Generator], resolution: int, num_frames: int = 1) -> torch.Tensor:
         return packed_noise(pipe, generators, resolution)
 
     def predict_velocity(self, transformer, latents, sigmas, cond: QwenPromptEmbeds, guidance_scale: float):

@@ -144,7 +144,7 @@ class SD3Family(ModelFamily):
             )
         return PromptEmbeds(embeds, pooled, neg_embeds, neg_pooled)
 
-    def initial_latents(self, pipe, generators: Sequence[torch.Generator], resolution: int) -> torch.Tensor:
+    def initial_latents(self, pipe, generators: Sequence[torch.Generator], resolution: int, num_frames: int = 1) -> torch.Tensor:
         channels, size = pipe.transformer.config.in_channels, resolution // pipe.vae_scale_factor
         return torch.stack([torch.randn(channels, size, size, generator=g) for g in generators])
 

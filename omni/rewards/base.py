@@ -4,7 +4,8 @@ A reward lives in `omni/rewards/<name>.py` and defines `REWARD`, a `Reward` subc
 `Options` dataclass (a subclass of `RewardOptions`) types its entry under
 `reward.components.<name>`: a misspelt or mistyped option fails at validation, naming it.
 `setup()` loads what the reward needs (a model, a connection) once, before training;
-`score` maps a batch of images (B, 3, H, W in [0, 1]) and their prompts to one float each.
+`score` maps a batch of images (B, 3, H, W in [0, 1]) and their prompts to one float each;
+a video reward (`video = True`) maps clips (B, F, 3, H, W) instead.
 
 Prompts are `omni.data.prompts.Prompt` strings: each carries its item's `metadata` (a
 dict, e.g. GenEval's objects) and its `origin` (file and line), so what a reward needs
@@ -36,6 +37,8 @@ class RewardUnavailable(RuntimeError):
 
 class Reward:
     Options = RewardOptions
+    # Whether `score` takes clips (B, F, 3, H, W), for a video model, instead of images.
+    video: bool = False
 
     def __init__(self, name: str, options: RewardOptions):
         self.name, self.options = name, options

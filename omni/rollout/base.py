@@ -30,12 +30,14 @@ class SamplingOptions:
     sde_type: str = "sde"
     # The solver of the ODE steps: "euler" or "dpm2" (omni.rollout.ode).
     ode_solver: str = "euler"
+    # Frames per clip of a video family (1 for images).
+    num_frames: int = 1
 
 
 @dataclass
 class RolloutBatch:
     prompts: List[str]
-    images: Optional[torch.Tensor]  # (B, 3, H, W) in [0, 1]; None in an update's shard
+    images: Optional[torch.Tensor]  # (B, 3, H, W), clips (B, F, 3, H, W), in [0, 1]; None in an update's shard
     latents: torch.Tensor  # (B, T + 1, *latent): x_T ... x_0 in the family's layout
     log_probs: torch.Tensor  # (B, T); 0 on ODE steps
     sigmas: torch.Tensor  # (T + 1,) noise level of each latent

@@ -88,14 +88,15 @@ class PromptCache:
 def sample_trajectories(
     family: ModelFamily, pipe, cond: Conditioning, seeds: Sequence[int], sigmas: torch.Tensor, options: SamplingOptions, device, dtype
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One micro-batch: (latents (B, T+1, ...), log_probs (B, T), images (B, 3, H, W)), fp32
+    """One micro-batch: (latents (B, T+1, ...), log_probs (B, T), images (B, 3, H, W) or clips
+    (B, F, 3, H, W)), fp32
     on the CPU. `dtype` is the transformer's, read once by the caller (reading a module's dtype
     walks all its parameters)."""
     transformer = pipe.transformer
     generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
 
     def draw() -> torch.Tensor:
-        return family.initial_latents(pipe, generators, options.resolution).to(device, torch.float32)
+        return family.initial_latents(pipe, generators, options.resolution, options.num_frames).to(device, torch.float32)
 
     x = draw()
     trajectory, log_probs = [x], []

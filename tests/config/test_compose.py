@@ -24,6 +24,9 @@ REWARD_NEEDS = {
     "geneval": ["data=geneval", "reward.components.http.url=http://127.0.0.1:8000"],
     "vlm_judge": ["reward.components.vlm_judge.url=http://127.0.0.1:8000/v1", "reward.components.vlm_judge.model=judge"],
 }
+# A video model scores clips and a clip reward needs a video model (validation refuses mixing them).
+VIDEO_MODELS = ("wan", "wan_tiny")
+VIDEO_REWARDS = ("frame_brightness", "temporal_consistency")
 
 
 def options(group):
@@ -38,6 +41,10 @@ def compose_and_validate(choice: dict, tiny_cache, synthetic_pairs, tmp_path):
     if choice.get("algorithm") == "dpo" or choice.get("data") == "pairs":
         overrides.append(f"data.pairs={synthetic_pairs}")
     overrides += REWARD_NEEDS.get(choice.get("reward"), [])
+    if choice.get("model") in VIDEO_MODELS and "reward" not in choice:
+        overrides.append("reward=frame_brightness")
+    if choice.get("reward") in VIDEO_REWARDS and "model" not in choice:
+        overrides.append("model=wan_tiny")
     cfg = compose_config(overrides, tmp_path)
     if choice.get("reward") in LOCAL_MODEL_REWARDS:
         # a learned reward's checkpoint is a local directory the user names: the error says which key

@@ -89,3 +89,12 @@ def test_qwen_image_preset_has_the_published_settings(tmp_path):
     assert (cfg.rollout.num_steps, cfg.rollout.noise_level, cfg.rollout.guidance_scale, cfg.rollout.resolution) == (10, 1.2, 4.0, 512)
     assert (cfg.model.lora.rank, cfg.model.lora.alpha, cfg.trainer.lr, cfg.algorithm.clip_range) == (64, 128, 3e-4, 1e-4)
     assert {"img_mlp.net.0.proj", "txt_mlp.net.2"} <= set(cfg.model.lora.target_modules)
+
+
+def test_wan_preset_has_the_published_settings(tmp_path):
+    cfg = compose_config(["experiment=wan_flow_grpo", "model.path=/ckpt/Wan2.1-T2V-1.3B-Diffusers"], tmp_path)
+    assert cfg.model.family == "wan" and cfg.trainer.batch_size // cfg.trainer.n_workers == 16
+    assert (cfg.rollout.num_steps, cfg.rollout.guidance_scale, cfg.rollout.num_frames, cfg.rollout.noise_level) == (20, 4.5, 33, 0.7)
+    assert (cfg.algorithm.kl_coef, cfg.algorithm.clip_range, cfg.algorithm.group_size, cfg.algorithm.adv_norm) == (0.004, 1e-3, 4, "group")
+    assert (cfg.trainer.lr, cfg.trainer.ema_decay, cfg.model.lora.rank, cfg.model.lora.alpha) == (1e-4, 0.9, 32, 64)
+    assert cfg.model.max_sequence_length == 512 and cfg.rollout.resolution == 320

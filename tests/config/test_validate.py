@@ -228,3 +228,55 @@ def test_bad_qwen_image_config_says_what_it_takes(overrides, message, tmp_path, 
 def test_qwen_image_without_path_says_what_to_pass():
     with pytest.raises(ConfigError, match="model.path"):
         validate(compose_config(["model=qwen_image"]))
+
+
+# Wan: frames its VAE cannot take, image rewards on clips (and clip rewards on images), frames
+# for an image model, a resolution it cannot take, an engine that does not serve it
+WAN = ["model=wan_tiny", "reward=frame_brightness"]
+WAN_BAD = [
+    ([*WAN, "rollout.num_frames=6"], "rollout.num_frames=6: Wan's VAE takes 4k+1 frames (1, 5, 9, ..., 81); the nearest are 5 and 9"),
+    ([*WAN, "rollout.num_frames=0"], "rollout.num_frames=0: Wan's VAE takes 4k+1 frames"),
+    (["model=wan_tiny"], "reward.components.brightness scores images but model.family=wan makes videos"),
+    (["reward=temporal_consistency"], "reward.components.temporal_consistency scores videos but model.family=sd3 makes images"),
+    (["rollout.num_frames=5"], "rollout.num_frames=5: model.family=sd3 makes images (1 frame)"),
+    ([*WAN, "reward.components.frame_average.image=temporal_consistency"], "frame_average.image=temporal_consistency scores videos"),
+    ([*WAN, "reward.components.frame_average.image=jpeg_compressibility", "+reward.components.frame_average.image_options.qualty=3"],
+     "reward.components.frame_average.image_options.jpeg_compressibility"),
+    ([*WAN, "rollout.resolution=40"], "rollout.resolution=40: this model takes multiples of 16"),
+    ([*WAN, "rollout.fps=0"], "rollout.fps=0 must be positive"),
+    ([*WAN, "rollout=vllm", "rollout.options.backend=local"], "model.family=wan is not yet served by the vLLM-Omni engine"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", WAN_BAD, ids=[m.split(":")[0] for _, m in WAN_BAD])
+def test_bad_wan_config_says_what_it_takes(overrides, message, tmp_path, monkeypatch):
+    import omni.models.wan as wan
+
+    monkeypatch.setattr(wan, "write_tiny_wan", lambda *a, **k: pytest.fail("validation built a model"))
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config([f"model.cache_dir={tmp_path}", *overrides]))
+    assert message in str(info.value)
+
+
+def test_wan_frames_default_to_the_model_and_fps_to_its_rate(tmp_path):
+    cfg = validate(compose_config([*WAN, f"model.cache_dir={tmp_path}"]))
+    assert (cfg.rollout.num_frames, cfg.rollout.fps, cfg.model.lora.target_modules) == (5, 16, ["to_q", "to_k", "to_v", "to_out.0"])
+    assert validate(compose_config([*WAN, f"model.cache_dir={tmp_path}", "rollout.num_frames=9"])).rollout.num_frames == 9
+    assert validate(compose_config([f"model.cache_dir={tmp_path}"])).rollout.num_frames == 1
+
+
+def test_wan_two_expert_checkpoint_is_refused_with_the_reason(tmp_path, tiny_wan_dir):
+    import json
+    import shutil
+
+    moe = tmp_path / "a14b"
+    shutil.copytree(tiny_wan_dir, moe, ignore=shutil.ignore_patterns("*.safetensors"))
+    index = json.loads((moe / "model_index.json").read_text())
+    (moe / "model_index.json").write_text(json.dumps({**index, "transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875}))
+    with pytest.raises(ConfigError, match="model.path=.*Mixture-of-Experts.*training both experts is not supported yet"):
+        validate(compose_config(["model=wan", f"model.path={moe}", "reward=frame_brightness"]))
+
+
+def test_wan_without_path_says_what_to_pass():
+    with pytest.raises(ConfigError, match="model.path"):
+        validate(compose_config(["model=wan", "reward=frame_brightness"]))

@@ -1,0 +1,166 @@
+"""The Wan family on the tiny model: deterministic builds (in two processes, to the byte), our
+sampler's ODE clips equal to `WanPipeline.__call__`'s with CFG and without (and not with
+another shift), the decoding in frame chunks equal to the VAE's whole decoding, the published
+architectures' sizes, a Wan2.2 two-expert checkpoint refused, and a LoRA export that
+`WanPipeline.load_lora_weights` loads."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from omni.models import get_family
+from omni.models.wan import FAMILY, decode_clips, latent_stats, tiny_wan_path
+from omni.rollout.base import SamplingOptions
+from omni.rollout.sampling import sample_rollout
+
+PROMPTS = ["a red cat", "a blue dog with a tree"]
+FRAMES, SIZE = 5, 32
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_wan_dir):
+    pipe = FAMILY.load_pipeline(tiny_wan_dir, torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_two_builds_in_separate_processes_are_identical_files(tmp_path):
+    """Every file, the tokenizer included: a seed fixes the whole checkpoint on any machine."""
+    import subprocess
+    import sys
+
+    code = "import sys; from omni.models.wan import write_tiny_wan; write_tiny_wan(sys.argv[1], 0)"
+    builds = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / name)]) for name in ("a", "b")]
+    assert [b.wait() for b in builds] == [0, 0]
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    assert files and files == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
+    assert {f.parts[0] for f in files} >= {"tokenizer", "text_encoder", "transformer", "vae", "scheduler"}
+    for f in files:
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+
+
+def test_family_and_cache(tiny_cache, tiny_wan_dir):
+    assert get_family("wan") is FAMILY and FAMILY.video
+    assert tiny_wan_path(tiny_cache, seed=0) == tiny_wan_dir
+    assert FAMILY.tiny_resolution_multiple() == FAMILY.resolution_multiple(tiny_wan_dir) == 16
+
+
+def ode_sample(pipe, guidance_scale, steps=3, seeds=(3, 4)):
+    """Our sampler with every step an ODE step."""
+    options = SamplingOptions(steps, SIZE, guidance_scale, 0.7, max_sequence_length=16, sde_steps=(0, 0), num_frames=FRAMES)
+    return sample_rollout(FAMILY, pipe, PROMPTS, list(seeds), options, 4, torch.device("cpu"), torch.float32)
+
+
+def pipeline_clips(pipe, latents, guidance_scale, steps=3):
+    return pipe(
+        PROMPTS, height=SIZE, width=SIZE, num_frames=FRAMES, num_inference_steps=steps, max_sequence_length=16,
+        latents=latents.clone(), output_type="pt", **FAMILY.pipeline_guidance(guidance_scale),
+    ).frames  # fmt: skip
+
+
+def test_ode_sampling_equals_wan_pipeline(pipe, monkeypatch):
+    """CFG at 4 on the negative prompt "": the pipeline's clips (B, F, 3, H, W), from the same
+    5-D initial latents as its own for the same generators; another shift gives other clips."""
+    ours = ode_sample(pipe, 4.0)
+    theirs = pipeline_clips(pipe, ours.latents[:, 0], 4.0)
+    assert ours.latents.shape == (2, 4, 16, (FRAMES - 1) // 4 + 1, SIZE // 8, SIZE // 8)
+    assert ours.images.shape == theirs.shape == (2, FRAMES, 3, SIZE, SIZE) and theirs.std() > 0.05
+    assert (ours.images - theirs).abs().max() < 1e-5
+    generators = [torch.Generator().manual_seed(s) for s in (3, 4)]
+    assert torch.equal(ours.latents[:, 0], pipe.prepare_latents(2, 16, SIZE, SIZE, FRAMES, torch.float32, "cpu", generators))
+
+    sigmas = FAMILY.sigmas
+    monkeypatch.setattr(FAMILY, "sigmas", lambda p, n, resolution: sigmas(p, n + 1, resolution)[[0, 1, 2, 4]])
+    assert (ode_sample(pipe, 4.0).images - theirs).abs().max() > 1e-3
+
+
+def test_without_guidance_one_pass_equals_the_pipeline(pipe):
+    ours = ode_sample(pipe, 1.0)
+    assert ours.cond.neg_embeds is None and ours.cond.embeds.shape == (2, 16, 32)
+    assert (ours.images - pipeline_clips(pipe, ours.latents[:, 0], 1.0)).abs().max() < 1e-5
+    assert (ours.images - ode_sample(pipe, 4.0).images).abs().max() > 1e-3
+
+
+def test_chunked_decoding_equals_the_vae_decoding_the_whole_batch(pipe):
+    """Frame chunks, one clip at a time, moved to the CPU as they come: the pixels of
+    `vae.decode` on the whole batch (which keeps the causal cache across chunks as we do);
+    a chunk decoded without the previous chunks' cache differs."""
+    vae = pipe.vae
+    latents = torch.randn(2, 16, 3, SIZE // 8, SIZE // 8, generator=torch.Generator().manual_seed(0))
+    mean, std = latent_stats(vae, "cpu", torch.float32)
+    with torch.no_grad():
+        whole = vae.decode(latents / (1.0 / std) + mean, return_dict=False)[0]
+    whole = (whole / 2 + 0.5).clamp(0, 1).transpose(1, 2)
+    chunked = decode_clips(vae, latents)
+    assert chunked.shape == (2, 9, 3, SIZE, SIZE) and chunked.device.type == "cpu"
+    assert (chunked - whole).abs().max() < 1e-5
+    last_alone = decode_clips(vae, latents[:, :, 1:])  # its last chunk decoded with a cache of one chunk, not two
+    assert (last_alone[:, 1:] - whole[:, 5:]).abs().max() > 1e-3
+
+
+def test_published_architectures_build_on_the_meta_device():
+    """The shipped configs are the published sizes (1.42B, 14.3B, 5.0B parameters); the text
+    encoder and VAE counts are umt5-xxl's encoder and Wan2.1's VAE."""
+    from importlib import resources
+
+    from diffusers import AutoencoderKLWan
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    counts = {}
+    for name, file in FAMILY.published_configs.items():
+        config = json.loads((resources.files("omni") / "models" / "configs" / file).read_text())
+        counts[name] = sum(p.numel() for p in FAMILY.meta_transformer(config=config).parameters())
+    assert round(counts["wan2.1-t2v-1.3b"] / 1e9, 2) == 1.42
+    assert round(counts["wan2.1-t2v-14b"] / 1e9, 1) == 14.3
+    assert round(counts["wan2.2-ti2v-5b"] / 1e9, 1) == 5.0
+    with torch.device("meta"):
+        t5 = UMT5EncoderModel(UMT5Config(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                                         feed_forward_proj="gated-gelu", tie_word_embeddings=False))
+        vae = AutoencoderKLWan()
+    assert sum(p.numel() for p in t5.parameters()) == FAMILY.text_encoder_params
+    assert sum(p.numel() for p in vae.parameters()) == FAMILY.vae_params
+
+
+def test_two_expert_checkpoint_and_missing_path_are_refused(tmp_path, tiny_wan_dir):
+    with pytest.raises(FileNotFoundError, match="model.path=.*model_index.json missing"):
+        FAMILY.check_path(str(tmp_path / "nowhere"))
+    moe = tmp_path / "a14b"
+    shutil.copytree(tiny_wan_dir, moe, ignore=shutil.ignore_patterns("*.safetensors"))
+    index = json.loads((moe / "model_index.json").read_text())
+    (moe / "model_index.json").write_text(json.dumps({**index, "transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875}))
+    with pytest.raises(ValueError, match="model.path=.*two experts|Mixture-of-Experts.*training both experts is not supported"):
+        FAMILY.check_path(str(moe))
+    assert FAMILY.check_path(str(tiny_wan_dir)) == tiny_wan_dir
+
+
+def test_lora_export_loads_with_the_wan_pipeline(tmp_path, tiny_wan_dir, pipe):
+    """A LoRA trained in PEFT's naming, exported by the family, changes the pipeline's
+    transformer exactly as it changes ours."""
+    from omni.checkpoint import save_lora
+    from omni.config.model import LoraConfig
+    from omni.weights import add_lora_adapter, lora_tensors
+
+    config = LoraConfig(target_modules=list(FAMILY.lora_targets))
+    actor = FAMILY.load_transformer(tiny_wan_dir, torch.float32)
+    add_lora_adapter(actor, config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in actor.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    lora = lora_tensors(actor, "default")
+    assert any(".attn2.to_k." in k for k in lora) and all(k.startswith("blocks.") for k in lora)
+    save_lora(tmp_path, lora, config, FAMILY)
+    fresh = FAMILY.load_pipeline(tiny_wan_dir, torch.float32)
+    cond = FAMILY.encode_prompts(fresh, PROMPTS, 4.0, 16, "cpu")
+    latents = torch.randn(2, 16, 2, 4, 4, generator=generator)
+    sigmas = torch.tensor([0.9, 0.4])
+    with torch.no_grad():
+        base = FAMILY.predict_velocity(fresh.transformer, latents, sigmas, cond, 4.0)
+        fresh.load_lora_weights(str(tmp_path))
+        loaded = FAMILY.predict_velocity(fresh.transformer, latents, sigmas, cond, 4.0)
+        expected = FAMILY.predict_velocity(actor, latents, sigmas, cond, 4.0)
+    assert (base - loaded).abs().max() > 1e-4
+    assert torch.allclose(loaded, expected, atol=1e-6)
