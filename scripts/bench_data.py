@@ -2,7 +2,7 @@
 
     python scripts/bench_data.py                         # both measurements
     python scripts/bench_data.py --baseline /path/to/an/older/checkout   # also time its in-memory path
-    python scripts/bench_data.py --only speed --image-size 512 --image-format jpeg   # Pick-a-Pic-like images
+    python scripts/bench_data.py --only speed --image-size 64 --image-format png     # images stored at the training size
 
 1. Memory: the peak RSS of a DPO run (model, a few steps, one held-out evaluation) over
    2,000 and over 20,000 synthetic pairs (`scripts/make_preference_pairs.py`, parquet shards
@@ -14,10 +14,11 @@
    process (`cache_speedup`, target >= 3). With `--baseline DIR`, the same run of the code
    in DIR (e.g. `git worktree add DIR <commit>` of a commit that encoded every pair in memory at
    set-up) is timed too, and `stream_vs_baseline` compares streaming without the cache to it.
-   The pairs' images are PNGs of the training resolution (64 px) by default, which cost next
-   to nothing to read; Pick-a-Pic's are JPEGs of about 512 px, decoded and resized on every
-   read without the cache: `--image-size 512 --image-format jpeg` times that (printed under
-   "images"). Either way both sides read the same files and train the same steps.
+   The pairs' images are stored as Pick-a-Pic stores its own, JPEGs of 512 px (the data set
+   the cache is for), so without the cache every read decodes and resizes them to the
+   training resolution; `--image-size 64 --image-format png` stores them at the training
+   size instead, which costs next to nothing to read (printed under "images"). Either way
+   both sides read the same files and train the same steps.
 Each run is a fresh process with one CPU thread (`--threads`); the speed runs are repeated
 (`--repeats`, interleaved) and the fastest of each kept, as a shared machine's load comes and
 goes. Figures depend on the machine and its load (printed).
@@ -117,7 +118,8 @@ def speed(work: Path, model_cache: str, n: int, batch_size: int, baseline, repea
     runs = {"streamed": (REPO, common), "streamed_1_worker": (REPO, [*common, "data.num_workers=1"]),
             "latent_cache": (REPO, [*common, f"data.latent_cache={cache}"])}
     if baseline:
-        runs["baseline_in_memory"] = (Path(baseline), common)
+        # the in-memory code predates model.vae_inversion_steps: it always used the VAE's encoder
+        runs["baseline_in_memory"] = (Path(baseline), [o for o in common if o != ENCODER])
     best = {}
     for _ in range(repeats):  # interleaved, so a burst of load hits every configuration alike
         for name, (root, overrides) in runs.items():
@@ -145,8 +147,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--sizes", type=int, nargs=2, default=[2000, 20000], help="the two set sizes of the memory runs")
     parser.add_argument("--speed-pairs", type=int, default=160)
-    parser.add_argument("--image-size", type=int, default=64, help="pixels of the speed runs' images (the model trains at 64)")
-    parser.add_argument("--image-format", choices=["png", "jpeg"], default="png", help="how the speed runs' images are stored")
+    parser.add_argument("--image-size", type=int, default=512, help="pixels of the speed runs' images (Pick-a-Pic's are about 512; the model trains at 64)")
+    parser.add_argument("--image-format", choices=["png", "jpeg"], default="jpeg", help="how the speed runs' images are stored")
     parser.add_argument("--baseline", help="a checkout of older code to time the same run on")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each speed configuration (the fastest is kept)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads of each run")

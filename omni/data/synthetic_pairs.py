@@ -164,6 +164,6 @@ def write_synthetic_video_pairs(out_dir: str | os.PathLike, n_pairs: int, resolu
                     names[side] = f"clips/pair_{i:05d}_{side}"
                     (out_dir / names[side]).mkdir(exist_ok=True)
                     for t, frame in enumerate(frames):
-                        (out_dir / names[side] / f"{t:04d}.png").write_bytes(_png(frame))
+                        (out_dir / names[side] / f"{t:04d}.png").write_bytes(_encode(frame, "png"))
             lines.write(json.dumps({"prompt": prompts[i % len(prompts)], **names}) + "\n")
     return jsonl
