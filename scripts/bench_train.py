@@ -16,7 +16,8 @@ With --reward-overlap, only this: Flow-GRPO steps (8 images in 4 parts of 2) wit
 made as slow as the rollout (brightness after a sleep, as a remote judge would wait), with
 `reward.overlap` off and on: with it on, the step should take about the longer of rollout
 and reward, not their sum.
-Best of `repeats` timings after a warm-up, so other load on the machine inflates less.
+Best of `repeats` timings after a warm-up, so other load on the machine inflates less (the
+rollout's three timings interleaved, so that load falls on each alike).
 """
 
 from __future__ import annotations
@@ -56,6 +57,20 @@ def best_time(fn, repeats: int) -> float:
     return fastest(fn, repeats)[0]
 
 
+def best_times_interleaved(fns, repeats: int) -> list:
+    """The fastest of `repeats` calls of each of `fns`, called in turn (after a warm-up call of
+    each), so a shared machine's load, which comes and goes, falls on all of them alike."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
 def make_trainer(out_dir: str, *overrides: str) -> Trainer:
     register_configs()
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
@@ -89,7 +104,7 @@ def bench_rollout(trainer: Trainer, n_images: int, repeats: int) -> dict:
                 output_type="pt", **trainer.family.pipeline_guidance(options.guidance_scale), **frames,
             )
 
-    ours_s, cached_s, plain_s = best_time(ours, repeats), best_time(ours_cached, repeats), best_time(plain, repeats)
+    ours_s, cached_s, plain_s = best_times_interleaved([ours, ours_cached, plain], repeats)
     clips = {}
     if video:
         clips = {"frames": options.num_frames, "ours_frames_per_s": n_images * options.num_frames / ours_s,

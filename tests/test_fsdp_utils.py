@@ -5,7 +5,10 @@ whole module: every wrapping x layered x base_sync_done x adapter case x {fresh,
 AdamW step} cell, the error cells and the summon cells run there, each rank records its
 findings per cell in a JSON file, and the parametrized tests below assert on them (the
 cell's checks, and that all ranks returned bit-identical tensors). The cells that need 4
-ranks run the same way in a 4-process group.
+ranks run the same way in a 4-process group. One cell runs a whole ActorRolloutWorker on the
+tiny Wan in the 2-process group (the actor under FSDP2): the LoRA sync is exact at the
+worker's level, the actor's log-probs those of the engine (the Ray group test runs the other
+families' workers, in their own processes).
 
 References are the same models unwrapped (same seeds, same optimizer step on the same
 batch, so FSDP's averaged gradient equals the plain one): `peft.get_peft_model_state_dict`
@@ -92,6 +95,7 @@ def _cell_specs() -> dict[str, list[str] | None]:
         cells[f"{w}-summon_writeback"] = None
         flat = w == "fsdp1_lora_flat"  # FSDP1 only offers with_grads with use_orig_params=True
         cells[f"{w}-summon_with_grads"] = ["use_orig_params"] if flat else None
+    cells["fsdp2-wan_worker_sync"] = None
     for w in MP_WRAPPINGS:
         for state in MP_STATES:
             cells[f"{w}-{state}"] = None
@@ -425,6 +429,42 @@ def _wan_cells(w) -> dict:
     }
 
 
+def _wan_worker_cell(wan_dir: str, run_dir: str):
+    """A real ActorRolloutWorker on the tiny Wan in this group (the actor under FSDP2 over the
+    ranks, the engine its own copy): after a Flow-GRPO step and the LoRA sync, the actor
+    re-scores the engine's new clips' SDE transitions to 1e-5; before the sync the engine's
+    log-probs are stale (the step moved the actor, so agreement is not trivial)."""
+    from omni.algorithms import flow_grpo
+    from omni.config.validate import validate
+    from omni.workers.actor_rollout import ActorRolloutWorker
+    from tests.conftest import compose_config, training_options
+    from tests.workers.test_actor_rollout import rescore
+
+    overrides = [
+        f"model.cache_dir={os.path.dirname(wan_dir)}", "model=wan_tiny", "reward=frame_brightness", "model.fsdp.version=2",
+        "rollout.share_actor=false", "rollout.num_steps=4", "trainer.device=cpu",
+    ]  # fmt: skip
+    cfg = validate(compose_config(overrides, run_dir))
+    worker = ActorRolloutWorker(cfg, wan_dir, torch.distributed.get_rank(), torch.distributed.get_world_size())
+    worker.setup()  # joins this process group
+    try:
+        prompts, seeds, options = ["a red cat", "a blue dog"] * 2, list(range(4)), training_options(cfg, 0)
+        batch = worker.generate(prompts, seeds, options)
+        worker.train(flow_grpo.update, flow_grpo.GRPOBatch(batch, torch.tensor([1.0, -1.0, 0.5, -0.5])), seed=0)
+        stale, stale_engine, _ = rescore(worker, batch, with_reference=False)
+        worker.sync_weights()
+        actor, engine, _ = rescore(worker, worker.generate(prompts, seeds, options), with_reference=False)
+        lora = worker.lora_state_dict()
+    finally:
+        worker.engine.shutdown()  # not worker.shutdown(): the group is this module's
+    problems = [] if all(hasattr(p, "to_local") for p in worker.trainable) else ["the actor's LoRA is not FSDP2-sharded"]
+    if (stale - stale_engine).abs().max() < 1e-3:
+        problems.append("the step did not move the actor's log-probs")
+    if len(actor) == 0 or (actor - engine).abs().max() > 1e-5:
+        problems.append(f"actor and engine log-probs differ by {float((actor - engine).abs().max())} after the sync")
+    return problems, _digests({"actor_log_probs": actor, **lora})
+
+
 def _diffusers_loader_cell(w):
     """Layered LoRA of a trained non-default adapter, loaded by diffusers' own loader."""
     from omni.fsdp_utils import collect_lora_params
@@ -737,7 +777,7 @@ def _wrapping_cells(w) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str, wan_dir: str) -> None:
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
@@ -749,6 +789,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         for w in WRAPPINGS if world == WORLD else ():
             results.update(_wrapping_cells(w))
             dist.barrier()
+        if world == WORLD:
+            results["fsdp2-wan_worker_sync"] = _record(lambda: _wan_worker_cell(wan_dir, out_dir))
         results.update(_mp_cells(world))
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
@@ -772,11 +814,11 @@ def _free_port() -> int:
 _WORKER_PRELOAD = [
     __name__, "peft", "omni.fsdp_utils", "omni.models.sd3", "torch.distributed.fsdp",
     "diffusers.models.transformers.transformer_sd3", "diffusers.models.transformers.transformer_flux",
-    "diffusers.models.transformers.transformer_wan",
+    "diffusers.models.transformers.transformer_wan", "omni.workers.actor_rollout", "omni.algorithms.flow_grpo", "tests.conftest",
 ]  # fmt: skip
 
 
-def _run_group(world: int, out_dir) -> list[dict]:
+def _run_group(world: int, out_dir, wan_dir) -> list[dict]:
     import multiprocessing
 
     saved = os.environ.get("OMP_NUM_THREADS")
@@ -784,7 +826,7 @@ def _run_group(world: int, out_dir) -> list[dict]:
     multiprocessing.get_context("forkserver").set_forkserver_preload(_WORKER_PRELOAD)
     try:
         torch.multiprocessing.start_processes(
-            _worker, args=(world, _free_port(), str(out_dir)), nprocs=world, start_method="forkserver", join=True
+            _worker, args=(world, _free_port(), str(out_dir), str(wan_dir)), nprocs=world, start_method="forkserver", join=True
         )
     finally:
         if saved is None:
@@ -795,13 +837,13 @@ def _run_group(world: int, out_dir) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, tiny_wan_dir):
     """world size -> each rank's cell results; each group is started once, when first needed."""
     groups: dict[int, list[dict]] = {}
 
     def of_world(world: int) -> list[dict]:
         if world not in groups:
-            groups[world] = _run_group(world, tmp_path_factory.mktemp(f"fsdp_cells_{world}"))
+            groups[world] = _run_group(world, tmp_path_factory.mktemp(f"fsdp_cells_{world}"), tiny_wan_dir)
         return groups[world]
 
     return of_world

@@ -17,7 +17,7 @@ Sampling follows `WanPipeline.__call__`:
   checkpoints ship a UniPC multistep solver (`flow_shift`); our sampler takes Euler and SDE
   steps, so `load_pipeline` puts a `FlowMatchEulerDiscreteScheduler` with the same shift in
   its place: the same flow, integrated on the Euler grid that Flow-GRPO's log-probs need;
-- decoded clips are (B, F, 3, H, W) in [0, 1] (`decode_clips`: frame chunks, one clip at a time).
+- decoded clips are (B, F, 3, H, W) in [0, 1] (`decode_clips`: frame chunks of the whole micro-batch).
 
 Wan2.2's Mixture-of-Experts checkpoints (A14B: a high-noise and a low-noise transformer) are
 refused at validation (`check_path`): training both experts is not supported yet.
@@ -279,31 +279,27 @@ def decode_clips(vae, latents: torch.Tensor) -> torch.Tensor:
 
     The Wan VAE's decoder is causal in time: `AutoencoderKLWan.decode` feeds it one latent
     frame at a time (1 frame of pixels for the first, 4 for each next) with a cache of the
-    previous frames' activations, but keeps the whole clip's pixels on the device and decodes
-    the whole batch at once. Here the same loop runs one clip at a time and moves each
-    chunk's pixels to the CPU as soon as it is decoded, so device memory holds one clip's
-    cache and one chunk, whatever the clip's length or the batch size; the pixels are those
-    of `vae.decode` (tests/models/test_wan.py)."""
+    previous frames' activations, but keeps the whole clips' pixels on the device until the
+    end. Here the same loop runs over the whole batch (a micro-batch: the cache holds a row
+    per clip) and moves each chunk's pixels to the CPU as soon as it is decoded, so device
+    memory holds the batch's cache and one chunk of each clip, whatever the clips' length;
+    the pixels are those of `vae.decode` (tests/models/test_wan.py)."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
     mean, std = latent_stats(vae, latents.device, vae.dtype)
-    clips = []
-    for clip in latents:
-        z = clip[None].to(vae.dtype) / (1.0 / std) + mean  # as the pipeline writes it
-        chunks = []
+    z = latents.to(vae.dtype) / (1.0 / std) + mean  # as the pipeline writes it
+    chunks = []
+    vae.clear_cache()
+    try:
+        for i in range(z.shape[2]):
+            vae._conv_idx = [0]
+            x = vae.post_quant_conv(z[:, :, i : i + 1])  # a 1x1x1 convolution: frame by frame is exact
+            out = vae.decoder(x, feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=i == 0)
+            if vae.config.patch_size is not None:
+                out = unpatchify(out, patch_size=vae.config.patch_size)
+            chunks.append((out.float().clamp(-1, 1) / 2 + 0.5).transpose(1, 2).cpu())
+    finally:
         vae.clear_cache()
-        try:
-            for i in range(z.shape[2]):
-                vae._conv_idx = [0]
-                x = vae.post_quant_conv(z[:, :, i : i + 1])  # a 1x1x1 convolution: frame by frame is exact
-                out = vae.decoder(x, feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=i == 0)
-                if vae.config.patch_size is not None:
-                    out = unpatchify(out, patch_size=vae.config.patch_size)
-                chunks.append((out.float().clamp(-1, 1) / 2 + 0.5)[0].transpose(0, 1).cpu())
-        finally:
-            vae.clear_cache()
-        clips.append(torch.cat(chunks))
-    return torch.stack(clips)
-
+    return torch.cat(chunks, 1)
 
 FAMILY = WanFamily()

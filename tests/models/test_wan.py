@@ -84,18 +84,21 @@ def test_without_guidance_one_pass_equals_the_pipeline(pipe):
 
 
 def test_chunked_decoding_equals_the_vae_decoding_the_whole_batch(pipe):
-    """Frame chunks, one clip at a time, moved to the CPU as they come: the pixels of
-    `vae.decode` on the whole batch (which keeps the causal cache across chunks as we do);
-    a chunk decoded without the previous chunks' cache differs."""
+    """Frame chunks of a batch of 3 clips at once, moved to the CPU as they come: the pixels of
+    `vae.decode` on the whole batch (which keeps the causal cache across chunks as we do), and
+    each clip's pixels those it has decoded alone (the batch's rows do not mix); a chunk
+    decoded without the previous chunks' cache differs."""
     vae = pipe.vae
-    latents = torch.randn(2, 16, 3, SIZE // 8, SIZE // 8, generator=torch.Generator().manual_seed(0))
+    latents = torch.randn(3, 16, 3, SIZE // 8, SIZE // 8, generator=torch.Generator().manual_seed(0))
     mean, std = latent_stats(vae, "cpu", torch.float32)
     with torch.no_grad():
         whole = vae.decode(latents / (1.0 / std) + mean, return_dict=False)[0]
     whole = (whole / 2 + 0.5).clamp(0, 1).transpose(1, 2)
     chunked = decode_clips(vae, latents)
-    assert chunked.shape == (2, 9, 3, SIZE, SIZE) and chunked.device.type == "cpu"
+    assert chunked.shape == (3, 9, 3, SIZE, SIZE) and chunked.device.type == "cpu"
     assert (chunked - whole).abs().max() < 1e-5
+    assert (decode_clips(vae, latents[1:2]) - chunked[1:2]).abs().max() < 1e-5
+    assert (chunked[0] - chunked[1]).abs().max() > 1e-3
     last_alone = decode_clips(vae, latents[:, :, 1:])  # its last chunk decoded with a cache of one chunk, not two
     assert (last_alone[:, 1:] - whole[:, 5:]).abs().max() > 1e-3
 
