@@ -35,13 +35,13 @@ def test_counts_match_the_loaded_model(tiny_sd3_dir, capsys):
 
 
 def test_sharing_the_actor_and_offloading_the_encoders_lower_the_peak():
-    script = load_script()
+    from omni import memory
     sizes = dict(params=2_000_000_000, block_params=80_000_000, lora_params=10_000_000, hidden=1536, blocks=24, patch=2,
                  text_encoder_params=5_000_000_000, vae_params=80_000_000)  # fmt: skip
     settings = dict(tokens=1357, micro_batch=4, workers=8, fsdp=2, dtype="bfloat16", passes=2, checkpointing=True)
-    own_copy = script.estimate(sizes, **settings, shared=False, offload=False)
-    shared = script.estimate(sizes, **settings, shared=True, offload=False)
-    offloaded = script.estimate(sizes, **settings, shared=True, offload=True)
+    own_copy = memory.estimate(sizes, **settings, shared=False, offload=False)
+    shared = memory.estimate(sizes, **settings, shared=True, offload=False)
+    offloaded = memory.estimate(sizes, **settings, shared=True, offload=True)
     assert own_copy["engine_transformer"] > 0 and shared["engine_transformer"] == 0
     # gathered for the rollout: the whole transformer, less the shard the worker already holds
     assert shared["rollout_gathered_transformer"] == round(2_000_000_000 * 2 * 7 / 8 / 2**30, 2)
