@@ -142,3 +142,16 @@ def check_fits(results: list, gpu_memory: float, budget_name: str = "--gpu-memor
                 f"(micro-batch {row['micro_batch']}, {row['workers']} workers, gradient checkpointing {row['checkpointing']}), "
                 f"more than {budget_name} {gpu_memory}: fewer frames, a smaller resolution or micro-batch, or more workers"
             )
+
+
+def device_total_gib() -> float | None:
+    """Total memory of this process's first CUDA device, in GiB; None without one."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / GIB
+
+
+def peak_phase(row: dict) -> str:
+    """The phase of a step (train, rollout, encode) whose memory is the estimate's peak."""
+    gib = row["gib_per_gpu"]
+    return max(("train", "rollout", "encode"), key=lambda phase: gib[f"{phase}_phase"])

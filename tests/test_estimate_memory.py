@@ -107,3 +107,37 @@ def test_a_clip_that_does_not_fit_is_refused_naming_its_frames_and_size(capsys):
         load_script().main([*args, "--gpu-memory", "80"])
     with pytest.raises(SystemExit, match="samples square images"):
         load_script().main(["model=sd3", "--resolution", "240x416"])
+
+
+@pytest.fixture
+def wan_14b_dir(tmp_path, tiny_wan_dir):
+    """A Wan2.1-T2V-14B checkpoint without weights (validation and the estimate read configs
+    only): the tiny checkpoint's configs, its transformer's the published 14B's."""
+    import shutil
+    from importlib import resources
+
+    path = tmp_path / "wan2.1-t2v-14b"
+    shutil.copytree(tiny_wan_dir, path, ignore=shutil.ignore_patterns("*.safetensors"))
+    published = resources.files("omni") / "models" / "configs" / "wan2.1-t2v-14b-transformer.json"
+    (path / "transformer" / "config.json").write_text(published.read_text())
+    return path
+
+
+def test_a_run_checks_the_estimate_this_script_prints(wan_14b_dir, capsys):
+    """Validation refuses a Wan2.1-14B run on 8 GPUs exactly when its own settings need more
+    than trainer.device_memory_gib by the script's estimate; its hint's checkpointed figure is
+    the script's too."""
+    from omni.config.validate import ConfigError, validate
+    from tests.conftest import compose_config
+
+    run = ["model=wan", f"model.path={wan_14b_dir}", "reward=frame_brightness", "trainer=gpu", "trainer.n_workers=8",
+           "trainer.n_gpus_per_node=8", "rollout.num_frames=33", "rollout.resolution=320"]  # fmt: skip
+    load_script().main(["--resolution", "320", *run])
+    plain, checkpointed = (r["gib_per_gpu"]["total"] for r in json.loads(capsys.readouterr().out))
+    validate(compose_config([*run, f"trainer.device_memory_gib={plain}"]))
+    budget = round(plain - 0.01, 2)
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config([*run, f"trainer.device_memory_gib={budget}"]))
+    assert f"needs about {plain} GiB per device, more than trainer.device_memory_gib={budget}" in str(info.value)
+    assert f"model.gradient_checkpointing=true: about {checkpointed} GiB" in str(info.value)
+    validate(compose_config([*run, "model.gradient_checkpointing=true", f"trainer.device_memory_gib={checkpointed}"]))
