@@ -141,3 +141,18 @@ def test_a_run_checks_the_estimate_this_script_prints(wan_14b_dir, capsys):
     assert f"needs about {plain} GiB per device, more than trainer.device_memory_gib={budget}" in str(info.value)
     assert f"model.gradient_checkpointing=true: about {checkpointed} GiB" in str(info.value)
     validate(compose_config([*run, "model.gradient_checkpointing=true", f"trainer.device_memory_gib={checkpointed}"]))
+
+
+def test_without_a_budget_a_cuda_run_gets_the_devices_memory_and_a_cpu_run_no_check(wan_14b_dir, monkeypatch):
+    """trainer.device_memory_gib=null: the 14B's 81 frames at 480 px (hundreds of GiB) pass
+    unchecked on the CPU; on CUDA the device's total is the budget (here a simulated 80 GiB
+    device: this machine may have none)."""
+    import omni.config.validate as validation
+    from omni.config.validate import ConfigError, validate
+    from tests.conftest import compose_config
+
+    run = ["model=wan", f"model.path={wan_14b_dir}", "reward=frame_brightness", "rollout.num_frames=81"]
+    validate(compose_config([*run, "trainer.device=cpu"]))
+    monkeypatch.setattr(validation, "device_total_gib", lambda: 80.0)
+    with pytest.raises(ConfigError, match=r"more than the CUDA device's 80.0 GiB \(trainer.device_memory_gib=null\)"):
+        validate(compose_config([*run, "trainer=gpu"]))
