@@ -35,13 +35,13 @@ def test_counts_match_the_loaded_model(tiny_sd3_dir, capsys):
 
 
 def test_sharing_the_actor_and_offloading_the_encoders_lower_the_peak():
-    script = load_script()
+    from omni import memory
     sizes = dict(params=2_000_000_000, block_params=80_000_000, lora_params=10_000_000, hidden=1536, blocks=24, patch=2,
                  text_encoder_params=5_000_000_000, vae_params=80_000_000)  # fmt: skip
     settings = dict(tokens=1357, micro_batch=4, workers=8, fsdp=2, dtype="bfloat16", passes=2, checkpointing=True)
-    own_copy = script.estimate(sizes, **settings, shared=False, offload=False)
-    shared = script.estimate(sizes, **settings, shared=True, offload=False)
-    offloaded = script.estimate(sizes, **settings, shared=True, offload=True)
+    own_copy = memory.estimate(sizes, **settings, shared=False, offload=False)
+    shared = memory.estimate(sizes, **settings, shared=True, offload=False)
+    offloaded = memory.estimate(sizes, **settings, shared=True, offload=True)
     assert own_copy["engine_transformer"] > 0 and shared["engine_transformer"] == 0
     # gathered for the rollout: the whole transformer, less the shard the worker already holds
     assert shared["rollout_gathered_transformer"] == round(2_000_000_000 * 2 * 7 / 8 / 2**30, 2)
@@ -107,3 +107,52 @@ def test_a_clip_that_does_not_fit_is_refused_naming_its_frames_and_size(capsys):
         load_script().main([*args, "--gpu-memory", "80"])
     with pytest.raises(SystemExit, match="samples square images"):
         load_script().main(["model=sd3", "--resolution", "240x416"])
+
+
+@pytest.fixture
+def wan_14b_dir(tmp_path, tiny_wan_dir):
+    """A Wan2.1-T2V-14B checkpoint without weights (validation and the estimate read configs
+    only): the tiny checkpoint's configs, its transformer's the published 14B's."""
+    import shutil
+    from importlib import resources
+
+    path = tmp_path / "wan2.1-t2v-14b"
+    shutil.copytree(tiny_wan_dir, path, ignore=shutil.ignore_patterns("*.safetensors"))
+    published = resources.files("omni") / "models" / "configs" / "wan2.1-t2v-14b-transformer.json"
+    (path / "transformer" / "config.json").write_text(published.read_text())
+    return path
+
+
+def test_a_run_checks_the_estimate_this_script_prints(wan_14b_dir, capsys):
+    """Validation refuses a Wan2.1-14B run on 8 GPUs exactly when its own settings need more
+    than trainer.device_memory_gib by the script's estimate; its hint's checkpointed figure is
+    the script's too."""
+    from omni.config.validate import ConfigError, validate
+    from tests.conftest import compose_config
+
+    run = ["model=wan", f"model.path={wan_14b_dir}", "reward=frame_brightness", "trainer=gpu", "trainer.n_workers=8",
+           "trainer.n_gpus_per_node=8", "rollout.num_frames=33", "rollout.resolution=320"]  # fmt: skip
+    load_script().main(["--resolution", "320", *run])
+    plain, checkpointed = (r["gib_per_gpu"]["total"] for r in json.loads(capsys.readouterr().out))
+    validate(compose_config([*run, f"trainer.device_memory_gib={plain}"]))
+    budget = round(plain - 0.01, 2)
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config([*run, f"trainer.device_memory_gib={budget}"]))
+    assert f"needs about {plain} GiB per device, more than trainer.device_memory_gib={budget}" in str(info.value)
+    assert f"model.gradient_checkpointing=true: about {checkpointed} GiB" in str(info.value)
+    validate(compose_config([*run, "model.gradient_checkpointing=true", f"trainer.device_memory_gib={checkpointed}"]))
+
+
+def test_without_a_budget_a_cuda_run_gets_the_devices_memory_and_a_cpu_run_no_check(wan_14b_dir, monkeypatch):
+    """trainer.device_memory_gib=null: the 14B's 81 frames at 480 px (hundreds of GiB) pass
+    unchecked on the CPU; on CUDA the device's total is the budget (here a simulated 80 GiB
+    device: this machine may have none)."""
+    import omni.config.validate as validation
+    from omni.config.validate import ConfigError, validate
+    from tests.conftest import compose_config
+
+    run = ["model=wan", f"model.path={wan_14b_dir}", "reward=frame_brightness", "rollout.num_frames=81"]
+    validate(compose_config([*run, "trainer.device=cpu"]))
+    monkeypatch.setattr(validation, "device_total_gib", lambda: 80.0)
+    with pytest.raises(ConfigError, match=r"more than the CUDA device's 80.0 GiB \(trainer.device_memory_gib=null\)"):
+        validate(compose_config([*run, "trainer=gpu"]))

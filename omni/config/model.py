@@ -60,7 +60,7 @@ class ModelConfig:
     # random one's does not. 0: the encoder (what a trained VAE is for).
     vae_inversion_steps: int = 0
     # Recompute each transformer block's activations in the backward pass instead of keeping
-    # them (python scripts/estimate_memory.py shows what it saves).
+    # them (python scripts/estimate_memory.py shows what it saves; trainer.device_memory_gib checks it).
     gradient_checkpointing: bool = False
     # The adapter that trains; null (`model.lora=null`): full fine-tuning, every parameter of
     # the transformer trains, and the reference, when the algorithm has one, is a frozen copy

@@ -15,6 +15,11 @@ class TrainerConfig:
     weight_decay: float = 1e-4
     max_grad_norm: float = 1.0
     device: str = "auto"
+    # GiB one device may hold: validation estimates the run's peak per device (omni/memory.py,
+    # from the transformer's config alone) and refuses a run above it, naming the settings that
+    # drive it. None: a CUDA device's total memory; on the CPU, no check. A generous value
+    # overrides an estimate you know to be pessimistic.
+    device_memory_gib: Optional[float] = None
     # Actor-rollout workers, data-parallel. 1: in the driver's process, no Ray. More: a Ray
     # worker group (FSDP over the workers, one rollout engine each); on GPUs one worker per
     # GPU, so n_workers = nnodes * n_gpus_per_node.

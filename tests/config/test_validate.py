@@ -1,5 +1,7 @@
 """Each cross-group rule fails before any model loads, with a message naming the key."""
 
+import re
+
 import pytest
 import torch
 
@@ -48,6 +50,7 @@ BAD = [
     (["trainer.n_workers=2", "trainer.device=cuda"], "trainer.n_gpus_per_node"),
     (["trainer.n_gpus_per_node=1", "trainer.device=cpu"], "trainer.device=cpu"),
     (["trainer.ray_address=auto"], "trainer.ray_address"),
+    (["trainer.device_memory_gib=0"], "trainer.device_memory_gib=0.0 must be at least 0.01"),
     (["algorithm=dpo", "data=pairs", "data.pairs=/nonexistent/pairs.jsonl"], "data.pairs=/nonexistent/pairs.jsonl"),
     (["algorithm=dpo", "data=pairs", "data.pairs=/tmp", "data.num_workers=-1"], "data.num_workers=-1"),
     (["algorithm=dpo", "data=pairs", "data.pairs=/tmp", "data.latent_cache=/etc/passwd"], "data.latent_cache=/etc/passwd"),
@@ -280,3 +283,30 @@ def test_wan_two_expert_checkpoint_is_refused_with_the_reason(tmp_path, tiny_wan
 def test_wan_without_path_says_what_to_pass():
     with pytest.raises(ConfigError, match="model.path"):
         validate(compose_config(["model=wan", "reward=frame_brightness"]))
+
+
+# Memory: a run whose estimated peak per device (omni/memory.py) exceeds trainer.device_memory_gib
+# fails before any model loads, naming the settings that drive it
+def test_clip_above_the_device_memory_fails_before_any_model_loads(tmp_path, monkeypatch):
+    import omni.models.wan as wan
+    from omni.trainer import run
+
+    monkeypatch.setattr(wan, "write_tiny_wan", lambda *a, **k: pytest.fail("a model was built"))
+    clip = [*WAN, f"model.cache_dir={tmp_path / 'cache'}", "rollout.num_frames=81", "rollout.resolution=128"]
+    with pytest.raises(ConfigError) as info:
+        run(compose_config([*clip, "trainer.device_memory_gib=0.01"], tmp_path / "run"))
+    message = str(info.value)
+    needs = re.search(r"the run needs about ([0-9.]+) GiB per device, more than trainer.device_memory_gib=0.01 ", message)
+    assert needs and float(needs.group(1)) > 0.01
+    for key in ("rollout.num_frames=81", "rollout.resolution=128", "trainer.micro_batch_size=8", "model.gradient_checkpointing=true"):
+        assert key in message
+    validate(compose_config([*clip, "trainer.device_memory_gib=1"]))
+    validate(compose_config([*clip, "trainer.micro_batch_size=2", "trainer.device_memory_gib=0.01"]))
+
+
+def test_image_above_the_device_memory_names_no_frames(tiny_cache):
+    big = [f"model.cache_dir={tiny_cache}", "rollout.resolution=256"]
+    with pytest.raises(ConfigError, match=r"trainer.device_memory_gib=0.01 \(rollout.resolution=256, trainer.micro_batch_size=8") as info:
+        validate(compose_config([*big, "trainer.device_memory_gib=0.01"]))
+    assert "num_frames" not in str(info.value)
+    validate(compose_config([*big, "trainer.device_memory_gib=1"]))
