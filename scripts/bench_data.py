@@ -51,7 +51,7 @@ def child(args) -> None:
     from omni.workers import build_actor_rollout
     from tests.conftest import compose_config
 
-    overrides = ["algorithm=dpo", "data=pairs", f"data.pairs={args.pairs}", "trainer.progress_bar=false", ENCODER,
+    overrides = ["algorithm=dpo", "data=pairs", f"data.pairs={args.pairs}", "trainer.progress_bar=false",
                  f"trainer.batch_size={args.batch_size}", f"model.cache_dir={args.model_cache}", *args.overrides]
     out_dir = tempfile.mkdtemp(prefix="bench-data-run-")
     cfg = validate(compose_config(overrides, out_dir))
@@ -99,7 +99,7 @@ def memory(work: Path, model_cache: str, sizes, steps: int) -> dict:
     runs = {}
     for n in sizes:
         pairs = make_pairs(work / f"pairs-{n}", n, "parquet")
-        runs[n] = measure(REPO, pairs, steps, 8, model_cache, "data.pairs_eval_fraction=0.01", evaluate=True)
+        runs[n] = measure(REPO, pairs, steps, 8, model_cache, "data.pairs_eval_fraction=0.01", ENCODER, evaluate=True)
     small, large = (runs[n]["peak_rss_mb"] for n in sizes)
     return {"peak_rss_mb": {str(n): round(r["peak_rss_mb"], 1) for n, r in runs.items()},
             "rss_ratio": round(large / small, 3), "rss_target": 1.3}

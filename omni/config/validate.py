@@ -244,7 +244,8 @@ def memory_message(family: ModelFamily, row: dict, checkpointed: dict | None, bu
         f"({frames}rollout.resolution={row['resolution']}, trainer.micro_batch_size={row['micro_batch']}, "
         f"trainer.n_workers={row['workers']}, model.gradient_checkpointing={str(row['checkpointing']).lower()}, "
         f"model.dtype={row['dtype']}; the peak is its {phase} phase, {where}): {', or '.join(ways)}. "
-        "The estimate is omni/memory.py's; python scripts/estimate_memory.py prints its parts"
+        "The estimate is omni/memory.py's (python scripts/estimate_memory.py prints its parts); "
+        "to run anyway, give a larger trainer.device_memory_gib"
     )
 
 
