@@ -135,7 +135,7 @@ def plot(results: List[dict], variants: List[str], path: Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        print("matplotlib is not installed: no plot (pip install -e '.[compare]')")
         return False
     figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for variant in variants:
