@@ -107,9 +107,11 @@ def estimate(
 
 def run_settings(cfg, family, dtype: str) -> dict:
     """The estimate's settings (all but the resolution and frames) of a run's config, composed
-    or validated, computing in `dtype`."""
+    or validated, computing in `dtype`. Sharding left to the run (`model.fsdp.version=null`) is
+    estimated as FSDP2, what the run takes where a replicated base does not fit."""
     guidance = cfg.rollout.guidance_scale if cfg.rollout.guidance_scale is not None else cfg.model.guidance_scale
-    return dict(micro_batch=cfg.trainer.micro_batch_size, workers=cfg.trainer.n_workers, fsdp=cfg.model.fsdp.version,
+    fsdp = 2 if cfg.model.fsdp.version is None else cfg.model.fsdp.version
+    return dict(micro_batch=cfg.trainer.micro_batch_size, workers=cfg.trainer.n_workers, fsdp=fsdp,
                 dtype=dtype, passes=family.forward_passes(guidance), checkpointing=cfg.model.gradient_checkpointing,
                 shared=shares_actor(cfg), offload=cfg.rollout.offload_text_encoders)  # fmt: skip
 

@@ -1,7 +1,12 @@
 """Benchmark the tiny Flow-GRPO and DPO recipes on this machine; prints one JSON object.
 
-    python scripts/bench_train.py [--repeats 5] [--parts rollout update ...] [hydra overrides, e.g. model=flux_tiny]
+    python scripts/bench_train.py [--repeats 5] [--threads 1] [--parts rollout update ...] [hydra overrides, e.g. model=flux_tiny]
     python scripts/bench_train.py --reward-overlap [--repeats 3]
+
+Every figure comes with the settings it ran with (model, images, steps, resolution, CFG,
+text lengths, micro-batches, threads), read from the run's composed config and its
+tokenizers, and every comparison is of the same work timed in this run: figures measured
+with other settings or on another day are not comparable.
 
 - rollout: images/s of our engine (SDE steps with log-probs, trajectory kept, text encoded
   every call) against the plain diffusers pipeline (`__call__`) on the same model, batch,
@@ -9,8 +14,8 @@
   cached, as a training run samples (not in the ratio); a video model's clips are also
   counted in frames/s, and the pipeline makes clips of the same frame count;
 - update: Flow-GRPO training transitions (sample x step) per second;
-- epoch: seconds per Flow-GRPO step of 2 prompts x 4 images, 10 steps, 64 px
-  (rollout + reward + update + weight sync);
+- step: seconds per Flow-GRPO training step (rollout + reward + update + weight sync) of
+  `trainer.batch_size` images (8 unless overridden, 4 per prompt), with its phases;
 - dpo: seconds per preference pair of an offline DPO update.
 With --reward-overlap, only this: Flow-GRPO steps (8 images in 4 parts of 2) with a reward
 made as slow as the rollout (brightness after a sleep, as a remote judge would wait), with
@@ -80,6 +85,27 @@ def make_trainer(out_dir: str, *overrides: str) -> Trainer:
     return trainer
 
 
+def text_lengths(trainer: Trainer) -> dict:
+    """The text conditioning's sequence lengths (dimension 1 of each of the family's
+    conditioning tensors: SD3's joint CLIP + T5 sequence, FLUX's T5, ...) for one prompt,
+    as the transformer sees them."""
+    cfg = trainer.cfg
+    cond = trainer.worker.encode_prompts(["a red cat"], cfg.rollout.guidance_scale, cfg.model.max_sequence_length)
+    return {name: t.shape[1] for name, t in cond.tensors().items() if t.ndim >= 3}
+
+
+def settings(trainer: Trainer) -> dict:
+    """What a figure of this trainer measured: the work and the threads."""
+    cfg = trainer.cfg
+    return {
+        "model": cfg.model.family, "images_per_step": cfg.trainer.batch_size, "images_per_prompt": cfg.algorithm.group_size,
+        "steps": cfg.rollout.num_steps, "resolution": cfg.rollout.resolution, "guidance_scale": cfg.rollout.guidance_scale,
+        "max_sequence_length": cfg.model.max_sequence_length, "text_tokens": text_lengths(trainer), "rollout_micro_batch": cfg.rollout.micro_batch_size,
+        "update_micro_batch": cfg.trainer.micro_batch_size, "num_minibatches": cfg.algorithm.num_minibatches,
+        "lora_rank": cfg.model.lora.rank if cfg.model.lora else None, "torch_threads": torch.get_num_threads(),
+    }  # fmt: skip
+
+
 def bench_rollout(trainer: Trainer, n_images: int, repeats: int) -> dict:
     options = trainer.ctx.sampling_options(trainer.ctx.sde_window(0))
     prompts = ["a red cat", "a blue dog"] * (n_images // 2)
@@ -111,12 +137,7 @@ def bench_rollout(trainer: Trainer, n_images: int, repeats: int) -> dict:
                  "ours_cached_text_frames_per_s": n_images * options.num_frames / cached_s,
                  "diffusers_pipeline_frames_per_s": n_images * options.num_frames / plain_s}  # fmt: skip
     return {
-        "model": trainer.cfg.model.family,
         "images": n_images,
-        "steps": options.num_steps,
-        "resolution": options.resolution,
-        "guidance_scale": options.guidance_scale,
-        "max_sequence_length": options.max_sequence_length,
         "ours_images_per_s": n_images / ours_s,
         "ours_cached_text_images_per_s": n_images / cached_s,
         "diffusers_pipeline_images_per_s": n_images / plain_s,
@@ -133,10 +154,10 @@ def bench_update(trainer: Trainer, repeats: int) -> dict:
     return {"transitions_per_s": transitions / seconds, "samples_per_s": len(batch) / seconds}
 
 
-def bench_epoch(trainer: Trainer, repeats: int) -> dict:
+def bench_step(trainer: Trainer, repeats: int) -> dict:
     counter = iter(range(10_000))
-    seconds = best_time(lambda: trainer.algorithm.step(next(counter)), repeats)
-    return {"prompts": 2, "images_per_prompt": 4, "steps": 10, "resolution": 64, "seconds_per_epoch": seconds}
+    seconds, metrics = fastest(lambda: trainer.algorithm.step(next(counter)), repeats)
+    return {"seconds_per_step": seconds, **{key: metrics[key] for key in sorted(metrics) if key.startswith("time/")}}
 
 
 def bench_dpo(out_dir: str, repeats: int, overrides=()) -> dict:
@@ -148,8 +169,9 @@ def bench_dpo(out_dir: str, repeats: int, overrides=()) -> dict:
                            "model.vae_inversion_steps=0")
     counter = iter(range(10_000))
     seconds = best_time(lambda: trainer.algorithm.step(next(counter)), repeats)
+    result = {"settings": settings(trainer), "pairs_per_step": 16, "seconds_per_step": seconds, "seconds_per_pair": seconds / 16}
     trainer.cleanup()
-    return {"pairs_per_step": 16, "seconds_per_step": seconds, "seconds_per_pair": seconds / 16}
+    return result
 
 
 class Delayed(Reward):
@@ -167,17 +189,10 @@ class Delayed(Reward):
 
 def bench_reward_overlap(out_dir: str, repeats: int, overrides=()) -> dict:
     trainer = make_trainer(out_dir, *overrides, "trainer.batch_size=8", "algorithm.group_size=4", "rollout.micro_batch_size=2")
-    cfg = trainer.cfg
-    settings = {
-        "model": cfg.model.family, "images": cfg.trainer.batch_size, "images_per_prompt": cfg.algorithm.group_size,
-        "rollout.micro_batch_size": cfg.rollout.micro_batch_size, "steps": cfg.rollout.num_steps,
-        "resolution": cfg.rollout.resolution, "guidance_scale": cfg.rollout.guidance_scale,
-        "max_sequence_length": cfg.model.max_sequence_length,
-    }
     options = trainer.ctx.sampling_options(trainer.ctx.sde_window(0))
     rollout_s = best_time(lambda: trainer.worker.generate(["a red cat"] * 8, step_seeds(0, 0, 8), options), repeats)
     trainer.ctx.reward.rewards = {"delayed": Delayed(rollout_s / 8)}  # as slow as the rollout
-    counter, result = iter(range(10_000)), {"settings": {**settings, "reward_seconds_per_image": rollout_s / 8}}
+    counter, result = iter(range(10_000)), {"settings": {**settings(trainer), "reward_seconds_per_image": rollout_s / 8}}
     for overlap in (False, True):
         trainer.cfg.reward.overlap = overlap
         seconds, metrics = fastest(lambda: trainer.algorithm.step(next(counter)), repeats)
@@ -196,7 +211,7 @@ def bench_reward_overlap(out_dir: str, repeats: int, overrides=()) -> dict:
 PARTS = {
     "rollout": lambda trainer, repeats: bench_rollout(trainer, 8, repeats),
     "update": bench_update,
-    "epoch": bench_epoch,
+    "step": bench_step,
     "dpo": None,  # builds its own trainer
 }
 
@@ -206,16 +221,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--reward-overlap", action="store_true", help="only the reward.overlap benchmark")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which benchmarks to run (default: all)")
+    parser.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's choice)")
     args, overrides = parser.parse_known_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as out_dir:
         if args.reward_overlap:
-            print(json.dumps({"torch_threads": torch.get_num_threads(), **bench_reward_overlap(out_dir, args.repeats, overrides)}, indent=2))
+            print(json.dumps(bench_reward_overlap(out_dir, args.repeats, overrides), indent=2))
             return
-        result = {"torch_threads": torch.get_num_threads()}
-        on_trainer = [part for part in ("rollout", "update", "epoch") if part in args.parts]
+        result = {}
+        on_trainer = [part for part in ("rollout", "update", "step") if part in args.parts]
         if on_trainer:
-            trainer = make_trainer(out_dir, *overrides, "trainer.batch_size=8", "algorithm.group_size=4")
+            trainer = make_trainer(out_dir, "trainer.batch_size=8", "algorithm.group_size=4", *overrides)
+            result["settings"] = settings(trainer)
             for part in on_trainer:
                 result[part] = PARTS[part](trainer, args.repeats)
             trainer.cleanup()

@@ -5,7 +5,10 @@ Ray group of 2; prints one JSON object.
     python scripts/bench_workers.py [--workers 1 2] [--steps 3] [--fsdp-version 2 0] [--threads 1]
 
 Groups run once per `--fsdp-version` (2: FSDP2 shards; 0: a replicated base, the LoRA's
-gradients averaged). `--threads` is torch's intra-op threads in every worker process (the
+gradients averaged, what `model.fsdp.version=null` picks for a LoRA that fits). Each
+setting's step is split into its phases: rollout, reward (and the part of it the rollout did
+not hide), update (as the driver waits for it; `worker_seconds` inside the workers, of which
+`allreduce_seconds` in the replicated base's gradient all-reduces) and sync. `--threads` is torch's intra-op threads in every worker process (the
 in-process worker and each Ray worker), so 1 worker x 2 threads and 2 workers x 1 thread
 use the same cores.
 
@@ -31,6 +34,8 @@ from omni.config.validate import validate
 from omni.trainer import Trainer
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
+# inside the workers: the update's seconds, and those of a replicated base's gradient all-reduces
+WORKER_TIMES = ("train/worker_seconds", "train/allreduce_seconds")
 
 
 def make_trainer(out_dir: str, n_workers: int, fsdp_version: int) -> Trainer:
@@ -55,12 +60,12 @@ def bench(n_workers: int, steps: int, fsdp_version: int = 2) -> dict:
                 start = time.perf_counter()
                 metrics = trainer.algorithm.step(step)
                 times.append(time.perf_counter() - start)
-                parts.append({k: v for k, v in metrics.items() if k.startswith("time/")})
+                parts.append({k: v for k, v in metrics.items() if k.startswith("time/") or k in WORKER_TIMES})
         finally:
             trainer.cleanup()
     seconds = statistics.median(times)
     batch = trainer.cfg.trainer.batch_size
-    median_parts = {k.split("/")[1]: round(statistics.median(p[k] for p in parts), 3) for k in parts[0]}
+    median_parts = {k.split("/", 1)[1]: round(statistics.median(p[k] for p in parts), 3) for k in parts[0]}
     return {
         "samples_per_step": batch,
         "seconds_per_step": round(seconds, 3),

@@ -156,3 +156,26 @@ def test_without_a_budget_a_cuda_run_gets_the_devices_memory_and_a_cpu_run_no_ch
     monkeypatch.setattr(validation, "device_total_gib", lambda: 80.0)
     with pytest.raises(ConfigError, match=r"more than the CUDA device's 80.0 GiB \(trainer.device_memory_gib=null\)"):
         validate(compose_config([*run, "trainer=gpu"]))
+
+
+def test_unset_sharding_replicates_a_lora_base_only_where_it_fits(wan_14b_dir, tiny_cache):
+    """model.fsdp.version=null: several workers replicate a LoRA run's base when the run's
+    replicated estimate fits the budget, else shard it with FSDP2; one worker shards nothing;
+    full fine-tuning shards; a version given is kept."""
+    from omni.config.validate import estimate_memory, validate
+    from omni.models import get_family
+    from tests.conftest import compose_config
+
+    run = ["model=wan", f"model.path={wan_14b_dir}", "reward=frame_brightness", "trainer=gpu", "trainer.n_workers=8",
+           "trainer.n_gpus_per_node=8", "rollout.num_frames=33", "rollout.resolution=320", "model.gradient_checkpointing=true"]  # fmt: skip
+    replicated = validate(compose_config([*run, "model.fsdp.version=0", "trainer.device_memory_gib=1000"]))
+    need = estimate_memory(replicated, get_family("wan"))["gib_per_gpu"]["total"]
+    sharded = estimate_memory(replicated, get_family("wan"), fsdp=2)["gib_per_gpu"]["total"]
+    assert sharded < need
+    assert validate(compose_config([*run, f"trainer.device_memory_gib={need}"])).model.fsdp.version == 0
+    assert validate(compose_config([*run, f"trainer.device_memory_gib={round(need - 0.01, 2)}"])).model.fsdp.version == 2
+    assert validate(compose_config([*run, "model.fsdp.version=1", "trainer.device_memory_gib=1000"])).model.fsdp.version == 1
+    tiny = [f"model.cache_dir={tiny_cache}", "trainer.n_workers=2"]
+    assert validate(compose_config(tiny)).model.fsdp.version == 0  # the CPU: no budget to check
+    assert validate(compose_config([*tiny, "model.lora=null"])).model.fsdp.version == 2
+    assert validate(compose_config([f"model.cache_dir={tiny_cache}"])).model.fsdp.version == 0

@@ -30,7 +30,9 @@ class FSDPConfig:
     # 2: FSDP2 (fully_shard per block + root), 1: FSDP1, 0: no sharding: with several workers
     # each holds the whole base and only the LoRA's gradients are averaged (all-reduced),
     # the faster choice for a base that fits on each device. A single worker shards nothing.
-    version: int = 2
+    # None: 0 for a LoRA whose replicated run fits each device (omni/memory.py's estimate
+    # against trainer.device_memory_gib or the CUDA device; always on a CPU), else 2.
+    version: Optional[int] = None
     # Block containers sharded and summoned one at a time; every model declares its own.
     layer_prefixes: List[str] = MISSING
 

@@ -69,7 +69,7 @@ class RolloutConfig:
 
 def shares_actor(cfg) -> bool:
     """Whether the engine samples with the actor's transformer (`rollout.share_actor`)."""
-    possible = Engine(cfg.rollout.engine) == Engine.diffusers and (cfg.trainer.n_workers == 1 or cfg.model.fsdp.version in (0, 2))
+    possible = Engine(cfg.rollout.engine) == Engine.diffusers and (cfg.trainer.n_workers == 1 or cfg.model.fsdp.version in (None, 0, 2))
     return possible if cfg.rollout.share_actor is None else cfg.rollout.share_actor
 
 

@@ -58,7 +58,10 @@ def check_model(model) -> ModelFamily:
             prefix in containers,
             f"model.fsdp.layer_prefixes: '{prefix}' names no block container of {family.name}; its blocks are under {containers}",
         )
-    require(model.fsdp.version in (0, 1, 2), f"model.fsdp.version={model.fsdp.version}: expected 0, 1 or 2")
+    require(
+        model.fsdp.version in (None, 0, 1, 2),
+        f"model.fsdp.version={model.fsdp.version}: expected 0, 1, 2 or null (replicated where the base fits, else 2)",
+    )
     require(model.vae_inversion_steps >= 0, f"model.vae_inversion_steps={model.vae_inversion_steps} must be >= 0 (0: the VAE's encoder)")
     if model.lora is not None:
         require(model.lora.rank > 0, f"model.lora.rank={model.lora.rank} must be positive")
@@ -203,30 +206,52 @@ def memory_budget(trainer, on_cuda: bool) -> tuple:
     return total, f"the CUDA device's {total:.1f} GiB (trainer.device_memory_gib=null)" if total else None
 
 
-def check_memory(cfg: TrainConfig, family: ModelFamily) -> None:
-    """The run's estimated peak per device (omni/memory.py: its transformer built on the meta
-    device, its own frames, resolution, micro-batch, workers, LoRA, dtype and checkpointing)
-    fits the device (`memory_budget`). Full fine-tuning is not estimated yet, so not checked."""
-    model, on_cuda = cfg.model, runs_on_cuda(cfg.trainer)
-    budget, budget_name = memory_budget(cfg.trainer, on_cuda)
-    if budget is None or model.lora is None:
-        return
+def estimate_memory(cfg: TrainConfig, family: ModelFamily, **changes) -> dict:
+    """omni/memory.py's estimate of the run's peak per device (its transformer built on the
+    meta device, its own frames, resolution, micro-batch, workers, sharding, LoRA, dtype and
+    checkpointing), with `changes` to those settings."""
+    model = cfg.model
     tiny = model.tiny_seed is not None
     config = family.tiny_transformer_config() if tiny else family.transformer_config(model.path)
     arch = f"model.tiny_seed={model.tiny_seed} (tiny {family.name})" if tiny else f"model.path={model.path}"
+    on_cuda = runs_on_cuda(cfg.trainer)
     dtype = model.dtype.value if model.dtype != DType.auto else ("bfloat16" if on_cuda else "float32")
     sizes = count(family, config, model.lora)
     if tiny:  # the family's text encoders and VAE are the published ones; a tiny model's weigh under a megabyte
         sizes.update(text_encoder_params=0, vae_params=0)
     frames = cfg.rollout.num_frames if family.video else 1
+    settings = {**run_settings(cfg, family, dtype), **changes}
+    return configuration(family, config, sizes, arch, cfg.rollout.resolution, frames, model.max_sequence_length, **settings)
 
-    def estimate(**changes) -> dict:
-        settings = {**run_settings(cfg, family, dtype), **changes}
-        return configuration(family, config, sizes, arch, cfg.rollout.resolution, frames, model.max_sequence_length, **settings)
 
-    row = estimate()
+def resolve_fsdp_version(cfg: TrainConfig, family: ModelFamily) -> None:
+    """`model.fsdp.version=null`: one worker shards nothing (0); several workers replicate a
+    LoRA run's base when it fits each device (0: no gathers in the rollout or the update, one
+    all-reduce of the LoRA's gradients per optimizer step), else shard it with FSDP2; full
+    fine-tuning shards (FSDP2: its optimizer state is the whole model's)."""
+    fsdp = cfg.model.fsdp
+    if fsdp.version is not None:
+        return
+    if cfg.trainer.n_workers == 1:
+        fsdp.version = 0
+        return
+    if cfg.model.lora is None:
+        fsdp.version = 2
+        return
+    budget, _ = memory_budget(cfg.trainer, runs_on_cuda(cfg.trainer))
+    fits = budget is None or estimate_memory(cfg, family, fsdp=0)["gib_per_gpu"]["total"] <= budget
+    fsdp.version = 0 if fits else 2
+
+
+def check_memory(cfg: TrainConfig, family: ModelFamily) -> None:
+    """The run's estimated peak per device (`estimate_memory`) fits the device
+    (`memory_budget`). Full fine-tuning is not estimated yet, so not checked."""
+    budget, budget_name = memory_budget(cfg.trainer, runs_on_cuda(cfg.trainer))
+    if budget is None or cfg.model.lora is None:
+        return
+    row = estimate_memory(cfg, family)
     if row["gib_per_gpu"]["total"] > budget:
-        checkpointed = None if model.gradient_checkpointing else estimate(checkpointing=True)
+        checkpointed = None if cfg.model.gradient_checkpointing else estimate_memory(cfg, family, checkpointing=True)
         raise ConfigError(memory_message(family, row, checkpointed, budget_name))
 
 
@@ -414,6 +439,7 @@ def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
     family = _lookup(get_family, cfg.model.family)
     resolve(cfg, family)
     check_model(cfg.model)
+    resolve_fsdp_version(cfg, family)
     check_rollout(cfg, family)
     check_trainer(cfg)
     check_full_finetuning(cfg)

@@ -245,7 +245,9 @@ class ActorRolloutWorker:
         if self.replicated:
             loss.backward()
             if sync:
+                start = time.perf_counter()
                 average_gradients(self.trainable)
+                self.allreduce_seconds += time.perf_counter() - start
             return
         if hasattr(self.actor, "set_requires_gradient_sync"):  # FSDP2
             self.actor.set_requires_gradient_sync(sync)
@@ -267,9 +269,19 @@ class ActorRolloutWorker:
 
     def train(self, update: Callable, batch, seed: int, first: int = 0, total: int = 0) -> Dict[str, float]:
         """Run an algorithm's `update(worker, batch, seed, first, total)` on this worker's
-        rows [first, first + len(batch)) of a batch of `total` rows (0: this is the batch)."""
+        rows [first, first + len(batch)) of a batch of `total` rows (0: this is the batch).
+        Its metrics gain the seconds the update took here (`worker_seconds`: the driver's
+        `time/update` less the dispatch) and, with a replicated base across workers, those of
+        its gradient all-reduces (`allreduce_seconds`; FSDP's collectives run inside the
+        forward and backward passes, not timed apart)."""
         self.actor.train()
-        return update(self, batch, seed, first, total or len(batch))
+        self.allreduce_seconds = 0.0
+        start = time.perf_counter()
+        metrics = update(self, batch, seed, first, total or len(batch))
+        metrics["worker_seconds"] = time.perf_counter() - start
+        if self.replicated:
+            metrics["allreduce_seconds"] = self.allreduce_seconds
+        return metrics
 
     def evaluate(self, evaluate: Callable, batch, seed: int) -> Dict[str, float]:
         """Run an algorithm's `evaluate(worker, batch, seed)` without gradients."""

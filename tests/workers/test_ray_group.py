@@ -54,15 +54,15 @@ def max_difference(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-# SD3 under FSDP2 and with a replicated base; FLUX (two block containers, packed latents,
-# blocks that return views of one tensor) under FSDP2, its engine a copy synced one block at
-# a time; Qwen-Image (true CFG, prompts padded to each batch's longest) under FSDP1, its
-# engine synced whole. The cells of tests/test_fsdp_utils.py collect from both families
-# under FSDP1 and FSDP2.
+# SD3 under FSDP2 and with a replicated base (a LoRA's default on a CPU); FLUX (two block
+# containers, packed latents, blocks that return views of one tensor) under FSDP2, its engine
+# a copy synced one block at a time; Qwen-Image (true CFG, prompts padded to each batch's
+# longest) under FSDP1, its engine synced whole. The cells of tests/test_fsdp_utils.py
+# collect from both families under FSDP1 and FSDP2.
 MODELS = {
-    "sd3": [],
-    "sd3-replicated": ["model.fsdp.version=0"],
-    "flux-layered": ["model=flux_tiny", "rollout.share_actor=false", "rollout.layered_summon=true"],
+    "sd3-fsdp2": ["model.fsdp.version=2"],
+    "sd3-replicated": [],
+    "flux-layered": ["model=flux_tiny", "model.fsdp.version=2", "rollout.share_actor=false", "rollout.layered_summon=true"],
     "qwen_image-fsdp1": ["model=qwen_image_tiny", "model.guidance_scale=2.0", "model.fsdp.version=1", "rollout.share_actor=false"],
     # every weight trains (FSDP2 shards them all) and every sync sends the whole transformer
     "sd3-full": ["model.lora=null", "rollout.share_actor=false"],
