@@ -23,8 +23,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from omni.algorithms.base import Algorithm, grouped_rollout
+from omni.config.algorithm import CFGGradient
 from omni.config.errors import require
 from omni.context import update_seed
+from omni.models import get_family
 from omni.rollout.base import RolloutBatch
 from omni.rollout.sde import noisy_steps, sde_step
 
@@ -148,7 +150,8 @@ def score_steps(worker, rollout: RolloutBatch, samples: torch.Tensor, steps: tor
     next_latents = worker.to_device(rollout.latents[samples, steps + 1])
     sigma, sigma_next = rollout.sigmas[steps], rollout.sigmas[steps + 1]
     cond = rollout.cond.apply(lambda t: worker.to_device(t[samples]))
-    velocity = worker.velocity(latents, sigma, cond, opts.guidance_scale, reference=reference)
+    uncond_grad = CFGGradient(worker.cfg.algorithm.cfg_gradient) == CFGGradient.both
+    velocity = worker.velocity(latents, sigma, cond, opts.guidance_scale, reference=reference, uncond_grad=uncond_grad)
     _, log_prob, mean, scale = sde_step(
         velocity, latents, sigma, sigma_next, float(rollout.sigmas[1]), opts.noise_level, next_sample=next_latents, sde_type=opts.sde_type
     )
@@ -306,6 +309,13 @@ def check_policy_config(cfg) -> None:
         f" (with rollout.sde_type=cps the last step, to sigma 0, has no noise: {available} stochastic steps)"
         if available < rollout.num_steps else ""
     )
+    if CFGGradient(algo.cfg_gradient) == CFGGradient.conditional:
+        require(
+            get_family(cfg.model.family).forward_passes(rollout.guidance_scale) == 2,
+            f"algorithm.cfg_gradient=conditional: model.family={cfg.model.family} at rollout.guidance_scale="
+            f"{rollout.guidance_scale} runs no unconditional pass (classifier-free guidance needs a scale above 1 "
+            "and a family that guides with two passes, not FLUX's distilled guidance); leave algorithm.cfg_gradient=both",
+        )
     sde_steps = algo.sde_window_size or available
     require(
         1 <= algo.num_minibatches <= sde_steps,

@@ -246,10 +246,14 @@ class ModelFamily:
         `num_frames`: a video family's frames per clip (an image family takes 1)."""
         raise NotImplementedError
 
-    def predict_velocity(self, transformer, latents, sigmas, cond: Conditioning, guidance_scale: float) -> torch.Tensor:
+    def predict_velocity(
+        self, transformer, latents, sigmas, cond: Conditioning, guidance_scale: float, uncond_grad: bool = True
+    ) -> torch.Tensor:
         """The flow-matching velocity at noise levels `sigmas` (one per sample), with the
         family's guidance; `latents` and `cond` come in the transformer's dtype and the
-        velocity goes back in fp32, so the SDE step and its log-prob stay fp32 around it."""
+        velocity goes back in fp32, so the SDE step and its log-prob stay fp32 around it.
+        `uncond_grad=False`: classifier-free guidance's unconditional pass runs without
+        gradients, on its own (`algorithm.cfg_gradient=conditional`)."""
         raise NotImplementedError
 
     def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:

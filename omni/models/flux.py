@@ -176,9 +176,10 @@ class FluxFamily(ModelFamily):
     def initial_latents(self, pipe, generators: Sequence[torch.Generator], resolution: int, num_frames: int = 1) -> torch.Tensor:
         return packed_noise(pipe, generators, resolution)
 
-    def predict_velocity(self, transformer, latents, sigmas, cond: FluxPromptEmbeds, guidance_scale: float):
+    def predict_velocity(self, transformer, latents, sigmas, cond: FluxPromptEmbeds, guidance_scale: float, uncond_grad: bool = True):
         """The transformer's velocity at noise levels `sigmas` (FLUX takes sigma itself as the
-        timestep), with FLUX.1-dev's guidance embedding when the transformer has one."""
+        timestep), with FLUX.1-dev's guidance embedding when the transformer has one (one
+        pass: there is no unconditional pass, so `uncond_grad` changes nothing)."""
         guidance = None
         if transformer.config.guidance_embeds:
             guidance = torch.full((latents.shape[0],), float(guidance_scale), device=latents.device, dtype=torch.float32)

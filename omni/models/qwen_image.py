@@ -320,15 +320,17 @@ class QwenImageFamily(ModelFamily):
     def initial_latents(self, pipe, generators: Sequence[torch.Generator], resolution: int, num_frames: int = 1) -> torch.Tensor:
         return packed_noise(pipe, generators, resolution)
 
-    def predict_velocity(self, transformer, latents, sigmas, cond: QwenPromptEmbeds, guidance_scale: float):
+    def predict_velocity(self, transformer, latents, sigmas, cond: QwenPromptEmbeds, guidance_scale: float, uncond_grad: bool = True):
         """The velocity at noise levels `sigmas`, with true CFG (two passes, each prompt cut to
-        its batch's longest, as the pipeline runs them) when guidance_scale > 1."""
+        its batch's longest, as the pipeline runs them; the unconditional one without
+        gradients with `uncond_grad=False`) when guidance_scale > 1."""
         # the pipeline hands the scheduler's timestep (sigma x 1000, fp32) over divided by 1000
         timestep = sigmas.float() * 1000 / 1000
         text = velocity(transformer, latents, timestep, cond.embeds, cond.mask)
         if guidance_scale <= 1:
             return text
-        uncond = velocity(transformer, latents, timestep, cond.neg_embeds, cond.neg_mask)
+        with torch.set_grad_enabled(uncond_grad and torch.is_grad_enabled()):
+            uncond = velocity(transformer, latents, timestep, cond.neg_embeds, cond.neg_mask)
         return true_cfg(text, uncond, guidance_scale)
 
     def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:

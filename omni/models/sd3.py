@@ -148,30 +148,34 @@ class SD3Family(ModelFamily):
         channels, size = pipe.transformer.config.in_channels, resolution // pipe.vae_scale_factor
         return torch.stack([torch.randn(channels, size, size, generator=g) for g in generators])
 
-    def predict_velocity(self, transformer, latents, sigmas, cond: PromptEmbeds, guidance_scale: float):
+    def predict_velocity(self, transformer, latents, sigmas, cond: PromptEmbeds, guidance_scale: float, uncond_grad: bool = True):
         """The transformer's velocity at noise levels `sigmas` (one per sample), in fp32, with
-        classifier-free guidance when guidance_scale > 1 (negatives and positives in one pass).
-        `latents` and `cond` come in the transformer's dtype."""
+        classifier-free guidance when guidance_scale > 1 (negatives and positives in one pass,
+        or two with `uncond_grad=False`). `latents` and `cond` come in the transformer's dtype."""
         # fp32 timesteps (the transformer's sinusoidal embedding computes in fp32 anyway):
         # sigma rounded to bf16 before x1000 would be off by up to 2 timesteps
         timesteps = sigmas.float() * 1000
-        if guidance_scale > 1:
-            out = transformer(
-                hidden_states=torch.cat([latents, latents]),
-                timestep=torch.cat([timesteps, timesteps]),
-                encoder_hidden_states=torch.cat([cond.neg_embeds, cond.embeds]),
-                pooled_projections=torch.cat([cond.neg_pooled, cond.pooled]),
-                return_dict=False,
-            )[0]
-            uncond, text = out.float().chunk(2)
-            return uncond + guidance_scale * (text - uncond)
-        return transformer(
-            hidden_states=latents,
-            timestep=timesteps,
-            encoder_hidden_states=cond.embeds,
-            pooled_projections=cond.pooled,
+
+        def one_pass(embeds, pooled):
+            return transformer(
+                hidden_states=latents, timestep=timesteps, encoder_hidden_states=embeds, pooled_projections=pooled, return_dict=False
+            )[0].float()
+
+        if guidance_scale <= 1:
+            return one_pass(cond.embeds, cond.pooled)
+        if not uncond_grad:
+            with torch.no_grad():
+                uncond = one_pass(cond.neg_embeds, cond.neg_pooled)
+            return uncond + guidance_scale * (one_pass(cond.embeds, cond.pooled) - uncond)
+        out = transformer(
+            hidden_states=torch.cat([latents, latents]),
+            timestep=torch.cat([timesteps, timesteps]),
+            encoder_hidden_states=torch.cat([cond.neg_embeds, cond.embeds]),
+            pooled_projections=torch.cat([cond.neg_pooled, cond.pooled]),
             return_dict=False,
-        )[0].float()
+        )[0]
+        uncond, text = out.float().chunk(2)
+        return uncond + guidance_scale * (text - uncond)
 
     def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:
         return vae_decode(pipe.vae, latents)

@@ -238,12 +238,21 @@ class WanFamily(ModelFamily):
         size = resolution // pipe.vae_scale_factor_spatial
         return torch.stack([torch.randn(channels, frames, size, size, generator=g) for g in generators])
 
-    def predict_velocity(self, transformer, latents, sigmas, cond: WanPromptEmbeds, guidance_scale: float):
+    def predict_velocity(self, transformer, latents, sigmas, cond: WanPromptEmbeds, guidance_scale: float, uncond_grad: bool = True):
         """The velocity at noise levels `sigmas` (fp32 timesteps sigma x 1000, as the pipeline's
-        scheduler gives them), with CFG's two passes run as one batch when guidance_scale > 1."""
+        scheduler gives them), with CFG's two passes run as one batch when guidance_scale > 1
+        (apart, the unconditional one without gradients, with `uncond_grad=False`)."""
         timesteps = sigmas.float() * 1000
+
+        def one_pass(embeds):
+            return transformer(hidden_states=latents, timestep=timesteps, encoder_hidden_states=embeds, return_dict=False)[0].float()
+
         if guidance_scale <= 1:
-            return transformer(hidden_states=latents, timestep=timesteps, encoder_hidden_states=cond.embeds, return_dict=False)[0].float()
+            return one_pass(cond.embeds)
+        if not uncond_grad:
+            with torch.no_grad():
+                uncond = one_pass(cond.neg_embeds)
+            return uncond + guidance_scale * (one_pass(cond.embeds) - uncond)
         out = transformer(
             hidden_states=torch.cat([latents, latents]),
             timestep=torch.cat([timesteps, timesteps]),

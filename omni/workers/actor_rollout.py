@@ -207,14 +207,17 @@ class ActorRolloutWorker:
         around the transformer stays fp32 whatever the compute dtype (`velocity` casts)."""
         return tensor.to(self.device, torch.float32)
 
-    def velocity(self, latents, sigmas, cond: Conditioning, guidance_scale: float, reference: bool = False) -> torch.Tensor:
-        """The actor's velocity (with gradients), or the reference's (`reference_model`, no
+    def velocity(
+        self, latents, sigmas, cond: Conditioning, guidance_scale: float, reference: bool = False, uncond_grad: bool = True
+    ) -> torch.Tensor:
+        """The actor's velocity (with gradients; under CFG through the unconditional pass
+        too unless `uncond_grad=False`), or the reference's (`reference_model`, no
         gradients), in fp32; inputs already on the device (`to_device`), cast here to the
         transformer's compute dtype."""
         latents, sigmas = latents.to(self.dtype), sigmas.to(self.device)
         cond = cond.apply(lambda t: t.to(self.dtype))
         if not reference:
-            return self.family.predict_velocity(self.actor, latents, sigmas, cond, guidance_scale)
+            return self.family.predict_velocity(self.actor, latents, sigmas, cond, guidance_scale, uncond_grad)
         with torch.no_grad(), self.reference_model() as model:
             return self.family.predict_velocity(model, latents, sigmas, cond, guidance_scale)
 

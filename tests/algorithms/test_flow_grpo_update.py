@@ -208,3 +208,55 @@ def test_gradient_checkpointing_gives_the_same_gradients_per_family(model, conta
     finally:
         for w in workers:
             w.shutdown()
+
+
+def test_conditional_cfg_gradient_is_the_conditional_pass_alone(fresh):
+    """algorithm.cfg_gradient=conditional: the same guided velocity (to float rounding: the two
+    passes run apart) whose gradient is the conditional pass's alone, that of the guided
+    velocity with its unconditional half detached (as flow_grpo's trainers compute it); the
+    exact gradient (cfg_gradient=both) differs. The update reads the key."""
+    from dataclasses import replace
+
+    randomise_lora(fresh)
+    scale = 3.0
+    batch = fresh.generate(PROMPTS, [1, 2], replace(training_options(fresh.cfg, 0), guidance_scale=scale))
+    latents, sigmas = fresh.to_device(batch.latents[:, 3]), batch.sigmas[[3, 3]]
+    weights = torch.randn(latents.shape, generator=torch.Generator().manual_seed(0))
+
+    def value_and_gradient(velocity):
+        fresh.zero_grad()
+        v = velocity()
+        (v * weights).sum().backward()
+        return v.detach(), torch.cat([p.grad.flatten() for p in fresh.trainable])
+
+    negatives = replace(batch.cond, embeds=batch.cond.neg_embeds, pooled=batch.cond.neg_pooled)
+
+    def detached_by_hand():
+        uncond = fresh.velocity(latents, sigmas, negatives, 1.0).detach()
+        return uncond + scale * (fresh.velocity(latents, sigmas, batch.cond, 1.0) - uncond)
+
+    v_both, g_both = value_and_gradient(lambda: fresh.velocity(latents, sigmas, batch.cond, scale))
+    v_cond, g_cond = value_and_gradient(lambda: fresh.velocity(latents, sigmas, batch.cond, scale, uncond_grad=False))
+    v_hand, g_hand = value_and_gradient(detached_by_hand)
+    fresh.zero_grad()
+    assert (v_cond - v_both).abs().max() < 1e-5 and (v_cond - v_hand).abs().max() < 1e-6
+    assert torch.allclose(g_cond, g_hand, rtol=1e-5, atol=1e-7)
+    assert (g_cond - g_both).norm() > 0.05 * g_both.norm()
+
+    grpo_batch = flow_grpo.GRPOBatch(batch, torch.tensor([1.0, -1.0]))
+    exact = gradients_of_one_update(fresh, grpo_batch)
+    fresh.cfg.algorithm.cfg_gradient = "conditional"
+    try:
+        conditional = gradients_of_one_update(fresh, grpo_batch)
+    finally:
+        fresh.cfg.algorithm.cfg_gradient = "both"
+    assert all((c - e).norm() > 0.05 * e.norm() for c, e in zip(conditional, exact))
+
+
+def test_conditional_cfg_gradient_needs_an_unconditional_pass(tiny_cache):
+    from omni.config.validate import ConfigError
+
+    validate(compose_config([f"model.cache_dir={tiny_cache}", "algorithm.cfg_gradient=conditional", "rollout.guidance_scale=4.5"]))
+    for overrides in (["rollout.guidance_scale=1.0"], ["model=flux_tiny", "rollout.guidance_scale=3.5"]):
+        with pytest.raises(ConfigError, match="algorithm.cfg_gradient=conditional: model.family=.* runs no unconditional pass"):
+            validate(compose_config([f"model.cache_dir={tiny_cache}", "algorithm.cfg_gradient=conditional", *overrides]))

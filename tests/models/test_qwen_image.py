@@ -189,3 +189,11 @@ def test_missing_checkpoint_says_what_to_pass(tmp_path):
     with pytest.raises(FileNotFoundError, match="model.path=.*no diffusers checkpoint there"):
         FAMILY.check_path(str(tmp_path / "nowhere"))
     assert write_tiny_qwen_image  # the builder is importable without building
+
+
+def test_conditional_cfg_gradient_leaves_out_the_unconditional_pass(pipe):
+    from tests.models.cfg_gradient import assert_unconditional_pass_not_differentiated
+
+    cond = FAMILY.encode_prompts(pipe, PROMPTS, 4.0, 16, "cpu")
+    latents = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
+    assert_unconditional_pass_not_differentiated(FAMILY, pipe.transformer, latents, torch.tensor([0.9, 0.5]), cond, 4.0)

@@ -88,3 +88,12 @@ def test_a_bf16_pipeline_keeps_its_vae_in_fp32(tiny_sd3_dir):
     images = FAMILY.decode(pipe, latents, 64)
     assert images.dtype == torch.float32 and images.shape == (1, 3, 64, 64)
     assert FAMILY.encode_images(pipe, images, "cpu").shape == (1, 4, 8, 8)
+
+
+def test_conditional_cfg_gradient_leaves_out_the_unconditional_pass(tiny_sd3_dir):
+    from tests.models.cfg_gradient import assert_unconditional_pass_not_differentiated
+
+    pipe = FAMILY.load_pipeline(tiny_sd3_dir, torch.float32)
+    cond = FAMILY.encode_prompts(pipe, ["a red cat", "a blue dog"], 4.0, 16, "cpu")
+    latents = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    assert_unconditional_pass_not_differentiated(FAMILY, pipe.transformer, latents, torch.tensor([0.9, 0.4]), cond, 4.0)

@@ -167,3 +167,11 @@ def test_lora_export_loads_with_the_wan_pipeline(tmp_path, tiny_wan_dir, pipe):
         expected = FAMILY.predict_velocity(actor, latents, sigmas, cond, 4.0)
     assert (base - loaded).abs().max() > 1e-4
     assert torch.allclose(loaded, expected, atol=1e-6)
+
+
+def test_conditional_cfg_gradient_leaves_out_the_unconditional_pass(pipe):
+    from tests.models.cfg_gradient import assert_unconditional_pass_not_differentiated
+
+    cond = FAMILY.encode_prompts(pipe, PROMPTS, 4.0, 16, "cpu")
+    latents = torch.randn(2, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    assert_unconditional_pass_not_differentiated(FAMILY, pipe.transformer, latents, torch.tensor([0.9, 0.4]), cond, 4.0)
