@@ -88,3 +88,15 @@ def test_a_bf16_pipeline_keeps_its_vae_in_fp32(tiny_sd3_dir):
     images = FAMILY.decode(pipe, latents, 64)
     assert images.dtype == torch.float32 and images.shape == (1, 3, 64, 64)
     assert FAMILY.encode_images(pipe, images, "cpu").shape == (1, 4, 8, 8)
+
+
+def test_text_lengths_of_real_sd3_can_be_built():
+    """CLIP of 77 tokens as real SD3 has (positions included) and T5 of 128: the joint text
+    sequence is their sum, as the pipeline encodes it."""
+    from omni.models.sd3 import build_tiny_sd3_pipeline
+
+    pipe = build_tiny_sd3_pipeline(seed=0, clip_length=77, t5_length=128)
+    assert pipe.tokenizer.model_max_length == pipe.tokenizer_2.model_max_length == 77
+    assert pipe.text_encoder.config.max_position_embeddings == pipe.text_encoder_2.config.max_position_embeddings == 77
+    cond = FAMILY.encode_prompts(pipe, ["a red cat"], guidance_scale=4.5, max_sequence_length=128, device="cpu")
+    assert cond.embeds.shape[1] == cond.neg_embeds.shape[1] == 77 + 128
