@@ -7,8 +7,9 @@ Both trainers run unmodified, each as its own process, on one tiny random SD3 ch
 this script writes (diffusers layout, CLIP tokenizers and encoders of 77 tokens as real SD3
 has, T5 padded to 128 tokens as flow_grpo pads it), and on the same work per step: 2 prompts
 x 4 images, 10 SDE steps at noise level 0.7, 64 px, CFG 4.5, the JPEG-compressibility
-reward, then 2 minibatches of 4 samples trained on every one of the 10 denoising steps
-(clip range 1e-4, AdamW at lr 3e-4, one optimizer step per minibatch), a LoRA of rank 32
+reward, then the 80 transitions (8 samples x 10 denoising steps) trained in 2 minibatches,
+one optimizer step each (clip range 1e-4, AdamW at lr 3e-4), in forward and backward passes
+of 4 transitions (8 rows under CFG) on both sides, a LoRA of rank 32
 (alpha 64) on the same eight attention projections, float32, one thread on each side
 (OMP_NUM_THREADS=1, so torch runs one intra-op thread), no evaluation past the one each
 trainer makes before its first step, no checkpoints, no wandb.
@@ -16,7 +17,9 @@ trainer makes before its first step, no checkpoints, no wandb.
 flow_grpo's `scripts/train_sd3.py` is run with a config file of ours (written in a temporary
 directory) that loads its `config/base.py` and sets its fields; its prompts are text files
 (`train.txt`, `test.txt`) in a dataset directory. It trains until killed. Ours is
-`recipes/train.py` with Hydra overrides. Neither is edited.
+`recipes/train.py` with Hydra overrides. Neither is edited. flow_grpo's environment needs
+torch, diffusers, transformers, peft, accelerate, ml_collections, absl-py and wandb; its script
+runs unmodified with the versions ours uses (its pins, e.g. torch 2.6, are not needed on the CPU).
 
 How a step is timed (the same way on both sides): each trainer prints one line per step,
 unbuffered (PYTHONUNBUFFERED=1) -- flow_grpo `advantages: ...` once a step's rollout is
@@ -30,6 +33,15 @@ too). Rounds alternate, flow_grpo then ours, so a shared machine's changing load
 both; each round reports each side's median over its steps and their ratio, and the median
 ratio over rounds. Ours also reports its own `time/*` metrics (rollout, reward wait,
 update, weight sync) as a cross-check.
+
+What still differs, by each trainer's design: flow_grpo encodes the text of every sampling
+batch (its 4 copies of one prompt through both CLIPs and T5), ours keeps each prompt's
+conditioning; flow_grpo's minibatches are its sampling batches, each one prompt drawn at
+random, so a step's two prompts are sometimes the same one (the work is the same: every
+text is padded to its full length); a flow_grpo minibatch is 4 samples at all 10 steps, one
+of ours is all 8 samples at 5 steps each (each sample's steps shuffled and split between the
+minibatches): the same 80 transitions, passes and optimizer steps. Per-step log lines also
+carry each trainer's own logging (console lines here; wandb is disabled for flow_grpo).
 """
 
 from __future__ import annotations
