@@ -61,12 +61,13 @@ def build_tiny_transformer(seed: int = 0, **overrides):
     return SD3Transformer2DModel(**tiny_transformer_config(**overrides))
 
 
-def build_tiny_sd3_pipeline(seed: int = 0):
-    """A complete random SD3 pipeline, identical for identical seeds."""
+def build_tiny_sd3_pipeline(seed: int = 0, clip_length: int = TINY_TEXT_LENGTH, t5_length: int = TINY_TEXT_LENGTH):
+    """A complete random SD3 pipeline, identical for identical seeds. `clip_length`: the
+    CLIP tokenizers' and encoders' length (real SD3: 77); `t5_length`: the T5 tokenizer's."""
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
-    clip_tok = clip_tokenizer(TINY_TEXT_LENGTH)
-    t5_tok = t5_tokenizer(TINY_TEXT_LENGTH)
+    clip_tok = clip_tokenizer(clip_length)
+    t5_tok = t5_tokenizer(t5_length)
     return StableDiffusion3Pipeline(
         transformer=build_tiny_transformer(seed),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
@@ -74,15 +75,16 @@ def build_tiny_sd3_pipeline(seed: int = 0):
         text_encoder=clip_encoder(clip_tok, seed + 2),
         tokenizer=clip_tok,
         text_encoder_2=clip_encoder(clip_tok, seed + 3),
-        tokenizer_2=clip_tokenizer(TINY_TEXT_LENGTH),
+        tokenizer_2=clip_tokenizer(clip_length),
         text_encoder_3=t5_encoder(t5_tok, seed + 4, TINY_TRANSFORMER["joint_attention_dim"]),
         tokenizer_3=t5_tok,
     )
 
 
-def write_tiny_sd3(out_dir: str | os.PathLike, seed: int = 0) -> Path:
-    """Build the tiny pipeline and save it to `out_dir` atomically (never half-written)."""
-    return save_pipeline(build_tiny_sd3_pipeline(seed), out_dir)
+def write_tiny_sd3(out_dir: str | os.PathLike, seed: int = 0, clip_length: int = TINY_TEXT_LENGTH, t5_length: int = TINY_TEXT_LENGTH) -> Path:
+    """Build the tiny pipeline (text lengths as in `build_tiny_sd3_pipeline`) and save it to
+    `out_dir` atomically (never half-written)."""
+    return save_pipeline(build_tiny_sd3_pipeline(seed, clip_length, t5_length), out_dir)
 
 
 def tiny_sd3_path(cache_dir: str | os.PathLike, seed: int = 0) -> Path:

@@ -97,3 +97,15 @@ def test_conditional_cfg_gradient_leaves_out_the_unconditional_pass(tiny_sd3_dir
     cond = FAMILY.encode_prompts(pipe, ["a red cat", "a blue dog"], 4.0, 16, "cpu")
     latents = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     assert_unconditional_pass_not_differentiated(FAMILY, pipe.transformer, latents, torch.tensor([0.9, 0.4]), cond, 4.0)
+
+
+def test_text_lengths_of_real_sd3_can_be_built():
+    """CLIP of 77 tokens as real SD3 has (positions included) and T5 of 128: the joint text
+    sequence is their sum, as the pipeline encodes it."""
+    from omni.models.sd3 import build_tiny_sd3_pipeline
+
+    pipe = build_tiny_sd3_pipeline(seed=0, clip_length=77, t5_length=128)
+    assert pipe.tokenizer.model_max_length == pipe.tokenizer_2.model_max_length == 77
+    assert pipe.text_encoder.config.max_position_embeddings == pipe.text_encoder_2.config.max_position_embeddings == 77
+    cond = FAMILY.encode_prompts(pipe, ["a red cat"], guidance_scale=4.5, max_sequence_length=128, device="cpu")
+    assert cond.embeds.shape[1] == cond.neg_embeds.shape[1] == 77 + 128
