@@ -31,7 +31,10 @@ first update have run) are before the first stamp that counts. Once it has the l
 needs, the script ends the run (its whole process group: flow_grpo's data loader workers
 too). Rounds alternate, flow_grpo then ours, so a shared machine's changing load falls on
 both; each round reports each side's median over its steps and their ratio, and the median
-ratio over rounds. Ours also reports its own `time/*` metrics (rollout, reward wait,
+ratio over rounds. Ours runs in two variants (`--variants`): `ours`, the exact gradient of
+the guided velocity (our default), and `ours_cfg_conditional` (`algorithm.cfg_gradient=
+conditional`), flow_grpo's own update: it detaches CFG's unconditional pass, which ours then
+runs apart without gradients instead of backpropagating zeros through it. Ours also reports its own `time/*` metrics (rollout, reward wait,
 update, weight sync) as a cross-check.
 
 What still differs, by each trainer's design: flow_grpo encodes the text of every sampling
@@ -76,6 +79,10 @@ EVAL_PROMPT = "a pink bird"
 # (flow_grpo prints its first before any update has run, so one more of its lines is skipped).
 STEP_LINE = {"flow_grpo": re.compile(r"^advantages:"), "ours": re.compile(r"^step [1-9]\d*: .*time/update=")}
 WARMUP_LINES = {"flow_grpo": 2, "ours": 1}
+# Our trainer's variants, each timed in every round: the exact gradient of the guided velocity
+# (the default), and flow_grpo's, which differentiates CFG's conditional pass only
+# (`algorithm.cfg_gradient=conditional`: the same update as flow_grpo's, with less compute).
+OUR_VARIANTS = {"ours": [], "ours_cfg_conditional": ["algorithm.cfg_gradient=conditional"]}
 
 FLOW_GRPO_CONFIG = '''"""flow_grpo's config for bench_flow_grpo.py: its config/base.py with these fields set."""
 import importlib.util
@@ -259,6 +266,7 @@ class Side:
     cwd: Path
     env: dict
     command: Callable[[int], list]
+    kind: str = "flow_grpo"  # whose step lines (STEP_LINE, WARMUP_LINES)
 
     def shown(self) -> str:
         env = " ".join(f"{k}={self.env[k]}" for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED", "WANDB_MODE", "PYTHONPATH"))
@@ -276,21 +284,22 @@ def flow_grpo_side(checkout: Path, python: str, work: Path, model_dir: Path, dat
     return Side("flow_grpo", python, checkout, base_env({"PYTHONPATH": str(checkout)}), command)
 
 
-def ours_side(work: Path, model_dir: Path, data_dir: Path, steps: int) -> Side:
+def ours_side(work: Path, model_dir: Path, data_dir: Path, steps: int, variant: str = "ours") -> Side:
     def command(round_index):
-        run_dir = work / f"ours-round{round_index}"
-        return [sys.executable, str(REPO / "recipes" / "train.py"), *ours_overrides(model_dir, data_dir, run_dir, steps)]
+        run_dir = work / f"{variant}-round{round_index}"
+        overrides = [*ours_overrides(model_dir, data_dir, run_dir, steps), *OUR_VARIANTS[variant]]
+        return [sys.executable, str(REPO / "recipes" / "train.py"), *overrides]
 
-    return Side("ours", sys.executable, REPO, base_env({"PYTHONPATH": str(REPO)}), command)
+    return Side(variant, sys.executable, REPO, base_env({"PYTHONPATH": str(REPO)}), command, kind="ours")
 
 
 def measure(side: Side, round_index: int, steps: int, timeout: float) -> dict:
     """One run of `side`: its warm-up, then `steps` timed steps."""
-    warmup = WARMUP_LINES[side.name]
-    found = step_lines(side.command(round_index), side.cwd, side.env, STEP_LINE[side.name], warmup + steps, timeout)
+    warmup = WARMUP_LINES[side.kind]
+    found = step_lines(side.command(round_index), side.cwd, side.env, STEP_LINE[side.kind], warmup + steps, timeout)
     seconds = step_seconds([stamp for stamp, _ in found], warmup)
     result = {"seconds_per_step": [round(s, 4) for s in seconds], "median": statistics.median(seconds)}
-    if side.name == "ours":  # its own timings of the same steps
+    if side.kind == "ours":  # its own timings of the same steps
         timed = [dict(re.findall(r"(time/\w+)=([-+.\deE]+)", text)) for _, text in found[warmup:]]
         result["time_metrics_mean"] = {key: statistics.mean(float(t[key]) for t in timed) for key in sorted(timed[0])}
     return result
@@ -301,9 +310,10 @@ def summary(rounds: list, names: list) -> dict:
     for name in names:
         report[f"{name}_median_seconds_per_step"] = statistics.median(s for r in rounds for s in r[name]["seconds_per_step"])
     if "flow_grpo" in names:
-        for r in rounds:
-            r["ratio_flow_grpo_over_ours"] = r["flow_grpo"]["median"] / r["ours"]["median"]
-        report["median_ratio_flow_grpo_over_ours"] = statistics.median(r["ratio_flow_grpo_over_ours"] for r in rounds)
+        for ours in (name for name in names if name != "flow_grpo"):
+            for r in rounds:
+                r[f"ratio_flow_grpo_over_{ours}"] = r["flow_grpo"]["median"] / r[ours]["median"]
+            report[f"median_ratio_flow_grpo_over_{ours}"] = statistics.median(r[f"ratio_flow_grpo_over_{ours}"] for r in rounds)
     else:
         report["note"] = "flow_grpo not run (--flow-grpo not given): ours only"
     return report
@@ -316,6 +326,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each one run of each trainer (flow_grpo first)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run, after the warm-up")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
+    parser.add_argument("--variants", nargs="+", choices=OUR_VARIANTS, default=list(OUR_VARIANTS), help="our variants to time")
     parser.add_argument("--work-dir", type=Path, help="keep the checkpoint, configs and runs here (default: a temporary directory)")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 1:
@@ -332,7 +343,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace, work: Path) -> dict:
     model_dir, data_dir = write_inputs(work)
-    sides = [ours_side(work, model_dir, data_dir, WARMUP_LINES["ours"] + args.steps)]
+    sides = [ours_side(work, model_dir, data_dir, WARMUP_LINES["ours"] + args.steps, variant) for variant in args.variants]
     if args.flow_grpo is not None:
         sides.insert(0, flow_grpo_side(args.flow_grpo, args.flow_grpo_python, work, model_dir, data_dir))
     settings = {**SETTINGS, "model": model_dims(model_dir), "timed_steps_per_run": args.steps, "rounds": args.rounds,

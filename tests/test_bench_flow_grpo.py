@@ -51,6 +51,9 @@ def test_ours_overrides_compose_and_validate_to_the_shared_settings(tiny_sd3_dir
     assert (cfg.algorithm.clip_range, cfg.trainer.lr, cfg.model.max_sequence_length) == (S["clip_range"], S["lr"], S["t5_length"])
     assert (cfg.model.lora.rank, cfg.model.lora.alpha, list(cfg.model.lora.target_modules)) == (S["lora_rank"], S["lora_alpha"], S["lora_targets"])
     assert [str(b.value) for b in cfg.logger.backends] == ["console"] and cfg.logger.console_every == 1
+    assert cfg.algorithm.cfg_gradient.value == "both"
+    conditional = validate(compose_config([*(o for o in overrides if not o.startswith("hydra.")), *bench.OUR_VARIANTS["ours_cfg_conditional"]]))
+    assert conditional.algorithm.cfg_gradient.value == "conditional"
 
 
 def load_flow_grpo_config(tmp_path, base_source):
@@ -117,9 +120,11 @@ def test_step_seconds_start_after_the_warm_up():
 
 
 def test_summary_gives_the_ratio_or_says_ours_only():
-    rounds = [{"flow_grpo": {"seconds_per_step": [2.0, 2.2], "median": 2.1}, "ours": {"seconds_per_step": [1.0, 1.1], "median": 1.05}}]
-    both = bench.summary(rounds, ["flow_grpo", "ours"])
+    rounds = [{"flow_grpo": {"seconds_per_step": [2.0, 2.2], "median": 2.1}, "ours": {"seconds_per_step": [1.0, 1.1], "median": 1.05},
+               "ours_cfg_conditional": {"seconds_per_step": [0.7], "median": 0.7}}]  # fmt: skip
+    both = bench.summary(rounds, ["flow_grpo", "ours", "ours_cfg_conditional"])
     assert both["median_ratio_flow_grpo_over_ours"] == pytest.approx(2.0) and "note" not in both
+    assert both["median_ratio_flow_grpo_over_ours_cfg_conditional"] == pytest.approx(3.0)
     alone = bench.summary([{"ours": rounds[0]["ours"]}], ["ours"])
     assert "ours only" in alone["note"] and "median_ratio_flow_grpo_over_ours" not in alone
 
