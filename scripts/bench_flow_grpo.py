@@ -8,11 +8,15 @@ this script writes (diffusers layout, CLIP tokenizers and encoders of 77 tokens 
 has, T5 padded to 128 tokens as flow_grpo pads it), and on the same work per step: 2 prompts
 x 4 images, 10 SDE steps at noise level 0.7, 64 px, CFG 4.5, the JPEG-compressibility
 reward, then the 80 transitions (8 samples x 10 denoising steps) trained in 2 minibatches,
-one optimizer step each (clip range 1e-4, AdamW at lr 3e-4), in forward and backward passes
-of 4 transitions (8 rows under CFG) on both sides, a LoRA of rank 32
+one optimizer step each (clip range 1e-4, AdamW at lr 3e-4), a LoRA of rank 32
 (alpha 64) on the same eight attention projections, float32, one thread on each side
 (OMP_NUM_THREADS=1, so torch runs one intra-op thread), no evaluation past the one each
-trainer makes before its first step, no checkpoints, no wandb.
+trainer makes before its first step, no checkpoints, no wandb. How many rows one forward
+carries is each trainer's own: flow_grpo samples and trains 4 samples at a time (its sampling
+batch, one prompt's group), ours samples a step's 8 images in one batch and trains a whole
+minibatch (40 transitions of mixed denoising steps) per forward and backward
+(`rollout.micro_batch_size`, `trainer.micro_batch_size`): the same images, transitions and
+optimizer steps, in fewer, larger calls.
 
 flow_grpo's `scripts/train_sd3.py` is run with a config file of ours (written in a temporary
 directory) that loads its `config/base.py` and sets its fields; its prompts are text files
@@ -136,9 +140,9 @@ def ours_overrides(model_dir: Path, data_dir: Path, run_dir: Path, steps: int) -
         f"model.lora.target_modules=[{','.join(s['lora_targets'])}]",
         f"rollout.num_steps={s['denoising_steps']}", f"rollout.resolution={s['resolution']}",
         f"rollout.guidance_scale={s['guidance_scale']}", f"rollout.noise_level={s['noise_level']}",
-        f"rollout.micro_batch_size={images // s['minibatches']}", f"reward={s['reward']}", "logger=console",
+        f"rollout.micro_batch_size={images}", f"reward={s['reward']}", "logger=console",
         f"data.train={data_dir / 'train.txt'}", f"data.eval={data_dir / 'test.txt'}",
-        f"trainer.batch_size={images}", f"trainer.micro_batch_size={images // s['minibatches']}",
+        f"trainer.batch_size={images}", f"trainer.micro_batch_size={images * s['denoising_steps'] // s['minibatches']}",
         f"algorithm.group_size={s['images_per_prompt']}", f"algorithm.num_minibatches={s['minibatches']}",
         f"algorithm.clip_range={s['clip_range']}", "algorithm.adv_norm=global", "algorithm.kl_coef=0",
         f"trainer.lr={s['lr']}", f"trainer.steps={steps}", "trainer.eval_every=0", "trainer.eval_images_per_prompt=1",

@@ -44,7 +44,8 @@ def test_ours_overrides_compose_and_validate_to_the_shared_settings(tiny_sd3_dir
     cfg = validate(compose_config([o for o in overrides if not o.startswith("hydra.")], tmp_path / "run"))
     images = S["prompts_per_step"] * S["images_per_prompt"]
     assert (cfg.trainer.batch_size, cfg.algorithm.group_size, cfg.trainer.steps) == (images, S["images_per_prompt"], 4)
-    assert cfg.trainer.micro_batch_size == cfg.rollout.micro_batch_size == images // S["minibatches"] == images // cfg.algorithm.num_minibatches
+    assert cfg.rollout.micro_batch_size == images and cfg.algorithm.num_minibatches == S["minibatches"]
+    assert cfg.trainer.micro_batch_size == images * S["denoising_steps"] // S["minibatches"]  # a whole minibatch per pass
     rollout = cfg.rollout
     assert (rollout.num_steps, rollout.resolution, rollout.guidance_scale, rollout.noise_level) == (
         S["denoising_steps"], S["resolution"], S["guidance_scale"], S["noise_level"])  # fmt: skip
