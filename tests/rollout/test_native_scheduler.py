@@ -5,10 +5,8 @@ it samples what the in-process engine samples, and the actor re-scores its log-p
 import pytest
 import torch
 
-from omni.models.sd3 import FAMILY
 from omni.rollout.native_scheduler import FlowGRPOScheduler
-from omni.rollout.sde import sde_step
-from tests.rollout.conftest import options
+from tests.rollout.conftest import actor_log_probs, options
 
 PROMPTS = ["a red cat", "a blue dog", "a green tree"]
 SEEDS = [5, 6, 7]
@@ -32,20 +30,6 @@ def sample_with_pipeline_loop(engine, opts):
         pipe.scheduler = original
 
 
-def actor_log_probs(engine, batch, trajectory):
-    """Re-score the recorded steps the way the actor does (omni.rollout.sde)."""
-    opts, sigmas = batch.options, trajectory.sigmas
-    out = torch.zeros_like(trajectory.log_probs)
-    start, stop = opts.sde_steps
-    for i in range(start, stop):
-        x = trajectory.latents[:, i]
-        velocity = FAMILY.predict_velocity(engine.transformer, x, sigmas[i].expand(len(x)), batch.cond, opts.guidance_scale)
-        _, out[:, i], _, _ = sde_step(
-            velocity, x, sigmas[i], sigmas[i + 1], float(sigmas[1]), opts.noise_level, next_sample=trajectory.latents[:, i + 1], sde_type=opts.sde_type
-        )
-    return out
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_scheduler_in_a_foreign_loop_samples_what_the_engine_samples(case, diffusers_engine):
     opts = CASES[case]
@@ -56,7 +40,7 @@ def test_scheduler_in_a_foreign_loop_samples_what_the_engine_samples(case, diffu
     assert (got.log_probs - expected.log_probs).abs().max() <= 1e-5
     start, stop = opts.sde_steps
     assert torch.all(got.log_probs[:, start:stop] != 0) and torch.all(got.log_probs[:, :start] == 0)
-    rescored = actor_log_probs(diffusers_engine, expected, got)
+    rescored = actor_log_probs(diffusers_engine.transformer, expected.cond, opts, got.latents, got.sigmas)
     assert (rescored - got.log_probs).abs().max() <= 1e-5
 
 

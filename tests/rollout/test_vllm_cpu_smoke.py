@@ -18,7 +18,7 @@ from omni.config.rollout import VllmOptions
 from omni.models.sd3 import FAMILY
 from omni.rollout.vllm_engine import VllmEngine
 from omni.weights import plain_base_names
-from tests.rollout.conftest import LORA, options, random_lora
+from tests.rollout.conftest import LORA, actor_log_probs, options, random_lora
 
 PYTHON = os.environ.get("OMNI_VLLM_CPU_PYTHON")
 pytestmark = [
@@ -63,6 +63,10 @@ def test_real_engine_samples_log_probs_and_takes_a_lora(backend, tiny_sd3_dir, d
         after = engine.generate(PROMPTS, SEEDS, options())
         assert (after.images - before.images).abs().max() > 1e-3
         assert_same_rollout(after, diffusers_engine.generate(PROMPTS, SEEDS, options()), backend)
+        # the actor's own re-scoring of what the engine sampled (diffusers' transformer, PEFT LoRA)
+        rescored = actor_log_probs(diffusers_engine.transformer, after.cond, options(), after.latents, after.sigmas)
+        print(f"{backend}: largest difference to the actor's log-probs {float((rescored - after.log_probs).abs().max()):.2e}")
+        assert (rescored - after.log_probs).abs().max() <= LOG_PROB_TOLERANCE[backend]
         assert torch.allclose(engine.encode_images(after.images), diffusers_engine.encode_images(after.images), atol=1e-4)
     finally:
         process = engine.process
