@@ -18,27 +18,40 @@ from omni.rollout.vllm_native import keep_linear_weights, load_native_base, nati
 from omni.weights import plain_base_names  # noqa: E402
 
 
+# SD3 as built by the tiny builder, and with SD3.5's parts (RMS-normed q/k, a second
+# attention in the first blocks), which gpu_check_vllm.py's SD3.5-Medium shape has
+SHAPES = {"sd3": {}, "sd3.5": {"qk_norm": "rms_norm", "dual_attention_layers": [0]}}
+
+
 @pytest.fixture(scope="module")
-def native_transformer(tiny_sd3_dir):
-    """vLLM-Omni's SD3 transformer of the tiny config, in a one-process parallel group."""
-    from vllm_omni.diffusion.data import OmniDiffusionConfig, TransformerConfig
+def parallel_group():
     from vllm_omni.diffusion.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
-    from vllm_omni.diffusion.models.sd3.sd3_transformer import SD3Transformer2DModel
 
     init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}", backend="gloo")
     initialize_model_parallel(backend="gloo")
+
+
+def native_transformer(tiny_sd3_dir, overrides):
+    """vLLM-Omni's SD3 transformer of the tiny config (with `overrides`)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm_omni.diffusion.data import OmniDiffusionConfig, TransformerConfig
+    from vllm_omni.diffusion.models.sd3.sd3_transformer import SD3Transformer2DModel
+
     config = OmniDiffusionConfig(model=str(tiny_sd3_dir), dtype=torch.float32)
-    config.set_tf_model_config(TransformerConfig.from_dict(json.loads((tiny_sd3_dir / "transformer" / "config.json").read_text())))
-    module = SD3Transformer2DModel(od_config=config)
+    values = {**json.loads((tiny_sd3_dir / "transformer" / "config.json").read_text()), **overrides}
+    config.set_tf_model_config(TransformerConfig.from_dict(values))
+    with set_current_vllm_config(VllmConfig()):  # vLLM's custom ops (RMSNorm) read it when built
+        module = SD3Transformer2DModel(od_config=config)
     keep_linear_weights(module)
     return module, config
 
 
-def test_base_names_fill_every_parameter_once_and_give_the_same_velocity(native_transformer):
+@pytest.mark.parametrize("shape", SHAPES)
+def test_base_names_fill_every_parameter_once_and_give_the_same_velocity(shape, tiny_sd3_dir, parallel_group):
     from vllm_omni.diffusion.forward_context import set_forward_context
 
-    module, config = native_transformer
-    reference = build_tiny_transformer(seed=3)
+    module, config = native_transformer(tiny_sd3_dir, SHAPES[shape])
+    reference = build_tiny_transformer(seed=3, **SHAPES[shape])
     plain = {k: v.detach() for k, v in plain_base_names(reference).items()}
     assert load_native_base(module, "sd3", plain) == len(plain)
     fused = {n for n in native_targets(module) if ".to_qkv." in n or ".add_kv_proj." in n}
