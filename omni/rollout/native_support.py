@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 
 NATIVE_PIPELINE_CLASSES = {"sd3": "omni.rollout.vllm_native.NativeSD3Pipeline"}
 # vLLM-Omni's pipelines for other families of ours, not yet extended by a native pipeline of ours
-NOT_YET_NATIVE = {"flux": "FluxPipeline", "qwen_image": "QwenImagePipeline"}
+NOT_YET_NATIVE = {"flux": "FluxPipeline", "qwen_image": "QwenImagePipeline", "wan": "WanPipeline"}
 # the vLLM-Omni releases whose pipelines the native backend was checked against
 TESTED_VERSIONS = ("0.30",)
 # family -> (vLLM-Omni's pipeline class, the attributes the native backend uses)
