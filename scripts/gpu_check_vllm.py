@@ -1,9 +1,12 @@
-"""Check rollout=vllm on a GPU machine: the real vLLM-Omni engine against our in-process
-diffusers engine, on an SD3.5-Medium-sized transformer with random weights. Prints one JSON
-object (images/s of both engines, sync seconds, largest log-prob difference).
+"""Check rollout=vllm on a GPU machine: the real vLLM-Omni engine, with each backend
+(`vllm`: our diffusers pipeline inside vLLM-Omni; `native`: vLLM-Omni's own SD3 pipeline with
+our SDE scheduler), against our in-process diffusers engine (rollout=diffusers), on an
+SD3.5-Medium-sized transformer with random weights. Prints one JSON object: images/s of
+each, sync seconds and the largest log-prob difference of each backend.
 
     bash scripts/install_vllm_engine.sh                   # once: the engine's own env
-    python scripts/gpu_check_vllm.py [--size sd35m|tiny] [--images 32] [--python ENV/bin/python]
+    python scripts/gpu_check_vllm.py [--size sd35m|tiny] [--images 32] [--backends vllm,native] [--python ENV/bin/python]
+    python scripts/gpu_check_vllm.py --device cpu --size tiny --images 4 --resolution 64   # a dry run
 
 The checkpoint is the tiny SD3 (tiny text encoders and VAE, no download) with its
 transformer replaced by one of SD3.5-Medium's shape (24 MMDiT blocks, 1536 wide, dual
@@ -66,12 +69,38 @@ def images_per_second(engine, prompts, seeds, options) -> float:
     return len(prompts) / (time.perf_counter() - start)
 
 
+def check_backend(backend, args, model, device, dtype, workdir, base, lora, local, prompts, seeds, options) -> dict:
+    """Start an engine of `backend` without base weights, sync the base then the LoRA, time
+    its rollouts and compare its log-probs with the in-process engine's."""
+    engine_options = VllmOptions(python=args.python, backend=backend)
+    engine = VllmEngine.start(FAMILY, engine_options, model, device, dtype, args.micro_batch, False, workdir / f"run-{backend}")
+    try:
+        start = time.perf_counter()
+        engine.update_weights(base, base_sync_done=False, lora=None)
+        sync_base = time.perf_counter() - start
+        start = time.perf_counter()
+        engine.update_weights(lora, base_sync_done=True, lora=LORA)
+        sync_lora = time.perf_counter() - start
+        result = {
+            "images_per_s": round(images_per_second(engine, prompts, seeds, options), 3),
+            "sync_base_s": round(sync_base, 2), "sync_lora_s": round(sync_lora, 3),
+        }
+        # bf16 kernels differ with batch composition (and native's are vLLM-Omni's, its
+        # LoRA in the model's dtype): expect small, not zero, differences
+        a, b = engine.generate(prompts[:4], seeds[:4], options), local.generate(prompts[:4], seeds[:4], options)
+        result["max_log_prob_diff"] = float((a.log_probs - b.log_probs).abs().max())
+    finally:
+        engine.shutdown()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=("sd35m", "tiny"), default="sd35m")
     parser.add_argument("--images", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--resolution", type=int, default=512)
+    parser.add_argument("--backends", default="vllm,native", help="engine backends to check, in turn")
     parser.add_argument("--python", default=None, help="engine env python (default: as rollout=vllm finds it)")
     parser.add_argument("--workdir", default="/tmp/omni-gpu-check")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run (with --size tiny)")
@@ -86,27 +115,13 @@ def main() -> None:
 
     local = load_diffusers_engine(FAMILY, model, device, dtype, args.micro_batch, load_base=True)
     base, lora = trained_weights(local)
-    vllm = VllmEngine.start(FAMILY, VllmOptions(python=args.python), model, device, dtype, args.micro_batch, False, workdir / "run")
-    try:
-        start = time.perf_counter()
-        vllm.update_weights(base, base_sync_done=False, lora=None)
-        sync_base = time.perf_counter() - start
-        start = time.perf_counter()
-        vllm.update_weights(lora, base_sync_done=True, lora=LORA)
-        sync_lora = time.perf_counter() - start
-        report = {
-            "size": args.size,
-            "transformer_params_m": round(sum(t.numel() for t in base.values()) / 1e6, 1),
-            "images": len(prompts), "resolution": args.resolution, "steps": options.num_steps,
-            "vllm_images_per_s": round(images_per_second(vllm, prompts, seeds, options), 3),
-            "diffusers_images_per_s": round(images_per_second(local, prompts, seeds, options), 3),
-            "sync_base_s": round(sync_base, 2), "sync_lora_s": round(sync_lora, 3),
-        }
-        # bf16 kernels differ with batch composition: expect small, not zero, differences
-        a, b = vllm.generate(prompts[:4], seeds[:4], options), local.generate(prompts[:4], seeds[:4], options)
-        report["max_log_prob_diff"] = float((a.log_probs - b.log_probs).abs().max())
-    finally:
-        vllm.shutdown()
+    report = {
+        "size": args.size, "transformer_params_m": round(sum(t.numel() for t in base.values()) / 1e6, 1),
+        "images": len(prompts), "resolution": args.resolution, "steps": options.num_steps,
+        "diffusers_images_per_s": round(images_per_second(local, prompts, seeds, options), 3),
+    }
+    for backend in args.backends.split(","):  # one engine at a time: each holds its own copy
+        report[backend] = check_backend(backend, args, model, device, dtype, workdir, base, lora, local, prompts, seeds, options)
     print(json.dumps(report))
 
 

@@ -19,7 +19,7 @@ from omni.checkpoint import DamagedCheckpoint, check_checkpoint
 from omni.config import TrainConfig
 from omni.config.errors import ConfigError, require
 from omni.config.model import DType
-from omni.config.rollout import Engine, SDEType, shares_actor
+from omni.config.rollout import Engine, SDEType, VllmBackend, shares_actor
 from omni.data.prompts import load_prompts
 from omni.memory import configuration, count, device_total_gib, peak_phase, run_settings
 from omni.models import get_family
@@ -89,10 +89,10 @@ def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
     rollout, model = cfg.rollout, cfg.model
     if rollout.engine == Engine.vllm:
         require(
-            family.vllm_served,
+            family.vllm_served or rollout.options.backend == VllmBackend.native,  # native: its own check
             f"rollout=vllm: model.family={family.name} is not yet served by the vLLM-Omni engine; use rollout=diffusers",
         )
-        check_vllm_rollout(rollout)
+        check_vllm_rollout(rollout, family.name)
     multiple = family.tiny_resolution_multiple() if model.tiny_seed is not None else family.resolution_multiple(model.path)
     require(
         rollout.resolution > 0 and rollout.resolution % multiple == 0,
@@ -274,11 +274,12 @@ def memory_message(family: ModelFamily, row: dict, checkpointed: dict | None, bu
     )
 
 
-def check_vllm_rollout(rollout) -> None:
-    """rollout=vllm: an engine to start or attach to."""
+def check_vllm_rollout(rollout, family: str) -> None:
+    """rollout=vllm: an engine to start or attach to (for backend=native, one whose vLLM-Omni
+    has the hooks the family's native pipeline uses)."""
     from omni.rollout.vllm_engine import engine_unavailable
 
-    problem = engine_unavailable(rollout.options)
+    problem = engine_unavailable(rollout.options, family)
     require(problem is None, f"rollout=vllm: {problem}")
 
 

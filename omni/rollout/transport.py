@@ -81,6 +81,11 @@ def write_lora_adapter(root: Path, name: str, tensors: Dict[str, torch.Tensor], 
     return write_directory(Path(root) / name, write)
 
 
+def sync_kind(path: Path) -> str:
+    """'base' or 'lora': what a directory written above holds."""
+    return json.loads((Path(path) / SYNC_FILE).read_text())["kind"]
+
+
 def read_weights(path: Path, device: str = "cpu") -> Tuple[str, Dict[str, torch.Tensor], Optional[LoraConfig]]:
     """(kind, tensors, lora) from a directory written above; kind is 'base' or 'lora'."""
     path = Path(path)

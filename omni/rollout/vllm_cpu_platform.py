@@ -47,9 +47,7 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
 
     @classmethod
     def get_diffusion_attn_backend_cls(cls, selected_backend, head_size, allow_trtllm_default: bool = False) -> str:
-        from vllm_omni.diffusion.attention.backends.registry import DiffusionAttentionBackendEnum
-
-        return DiffusionAttentionBackendEnum.TORCH_SDPA.get_path()
+        return "omni.rollout.vllm_cpu_platform.CpuSDPABackend"
 
     @classmethod
     def supports_torch_inductor(cls) -> bool:
@@ -108,3 +106,29 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
     @classmethod
     def is_available(cls) -> bool:
         return True
+
+
+def _cpu_sdpa_classes():
+    """vLLM-Omni's torch-SDPA attention, dispatched on the CPU: its layers pick a kernel by
+    platform (CUDA, ROCm, NPU, XPU, MUSA) and have none for a CPU, though torch's SDPA
+    runs there as it is. (Our diffusers pipeline never reaches it; vLLM-Omni's own
+    transformers, run by the native backend, do.)"""
+    from vllm_omni.diffusion.attention.backends.sdpa import SDPABackend, SDPAImpl
+
+    class CpuSDPAImpl(SDPAImpl):
+        def forward(self, query, key, value, attn_metadata=None):
+            return self._forward_impl(query, key, value, attn_metadata, mask_mode="broadcast_k")
+
+    class CpuSDPABackend(SDPABackend):
+        @staticmethod
+        def get_name() -> str:
+            return "CPU_SDPA"
+
+        @staticmethod
+        def get_impl_cls():
+            return CpuSDPAImpl
+
+    return CpuSDPABackend, CpuSDPAImpl
+
+
+CpuSDPABackend, CpuSDPAImpl = _cpu_sdpa_classes()

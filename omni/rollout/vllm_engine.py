@@ -92,10 +92,16 @@ def engine_python(options: VllmOptions) -> Optional[str]:
     return sys.executable if _has_vllm_omni(sys.executable) else None
 
 
-def engine_unavailable(options: VllmOptions) -> Optional[str]:
-    """Why the engine cannot start or be called (None when it can): checked before any model loads."""
-    if options.backend not in ("vllm", "local"):
-        return f"rollout.options.backend={options.backend}: expected vllm or local"
+def engine_unavailable(options: VllmOptions, family: Optional[str] = None) -> Optional[str]:
+    """Why the engine cannot start or be called (None when it can): checked before any model
+    loads. `family` (model.family) is checked against the native backend's families and,
+    in the engine env, the installed vLLM-Omni's hooks."""
+    from omni.rollout.native_support import family_problem, native_problem
+
+    if options.backend not in ("vllm", "native", "local"):
+        return f"rollout.options.backend={options.backend}: expected vllm, native or local"
+    if options.backend == "native" and family is not None and family_problem(family):
+        return family_problem(family)
     problem = retry_policy(options).problem()
     if problem:
         return problem
@@ -106,8 +112,10 @@ def engine_unavailable(options: VllmOptions) -> Optional[str]:
         return f"no vLLM-Omni engine environment found. {INSTALL_HINT}"
     if not Path(python).exists():
         return f"rollout.options.python={python}: no such file. {INSTALL_HINT}"
-    if options.backend == "vllm" and not _has_vllm_omni(python):
+    if options.backend != "local" and not _has_vllm_omni(python):
         return f"{python} has no vllm_omni installed. {INSTALL_HINT}"
+    if options.backend == "native" and family is not None:
+        return native_problem(python, family)
     return None
 
 
@@ -154,7 +162,7 @@ class VllmEngine:
             if Path(served).name != Path(model_path).name:
                 logger.warning("the engine at %s serves %s, the run trains %s", options.url, served, model_path)
             return cls(options, family, options.url, shared_dir)
-        problem = engine_unavailable(options)
+        problem = engine_unavailable(options, family.name)
         if problem:
             raise RuntimeError(problem)
         url, process = _launch(options, family.name, model_path, device, dtype, micro_batch_size, load_base, shared_dir, vae_inversion_steps)

@@ -42,6 +42,10 @@ def request_inputs(prompt: str, seed: int, options: SamplingOptions) -> Tuple[Di
         max_sequence_length=options.max_sequence_length,
         seed=int(seed),
         num_outputs_per_prompt=1,
+        # the native backend's own pipeline: its initial latents from a CPU generator (as
+        # our sampler's), and no VAE decode of its own (ours decodes the fp32 latent)
+        generator_device="cpu",
+        output_type="latent",
         extra_args={
             ROLLOUT_KEY: {
                 "noise_level": options.noise_level,

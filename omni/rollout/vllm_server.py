@@ -14,7 +14,8 @@ API (bodies are `omni.rollout.transport.pack` blobs; see `omni.rollout.vllm_engi
     POST /shutdown
 
 Backends: `vllm` (AsyncOmni with `FlowGRPOPipeline` and our worker extension, one
-request per image) and `local` (the same pipeline class called in this process, through
+request per image), `native` (AsyncOmni with vLLM-Omni's own pipeline of the family and our
+SDE scheduler, `omni.rollout.vllm_native`; LoRA through vLLM-Omni's LoRA manager) and `local` (the same pipeline class called in this process, through
 the same request/answer mapping: runs without vLLM, for tests and debugging).
 """
 
@@ -91,6 +92,17 @@ class LocalBackend:
         self.pipeline = None
 
 
+def pipeline_class(backend: str, family: str) -> str:
+    """The pipeline vLLM-Omni runs: ours (backend vllm) or its own with our hooks (native)."""
+    if backend != "native":
+        return PIPELINE_CLASS
+    from omni.rollout.native_support import NATIVE_PIPELINE_CLASSES
+
+    if family not in NATIVE_PIPELINE_CLASSES:
+        raise ValueError(f"--backend native: no native pipeline for family {family}; supported: {sorted(NATIVE_PIPELINE_CLASSES)}")
+    return NATIVE_PIPELINE_CLASSES[family]
+
+
 def engine_kwargs(args) -> Dict[str, Any]:
     """AsyncOmni's keyword arguments: our pipeline class and worker extension, and the
     settings the pipeline relies on; `--engine-args` adds to or overrides the rest."""
@@ -98,7 +110,7 @@ def engine_kwargs(args) -> Dict[str, Any]:
 
     ours = dict(
         custom_pipeline_args={
-            "pipeline_class": PIPELINE_CLASS, "family": args.family, "load_base": args.load_base,
+            "pipeline_class": pipeline_class(args.backend, args.family), "family": args.family, "load_base": args.load_base,
             "vae_inversion_steps": args.vae_inversion_steps,
         },
         worker_extension_cls=WORKER_EXTENSION_CLASS,
@@ -137,9 +149,14 @@ class VllmOmniBackend:
     def has_base(self) -> bool:
         return bool(self._rpc("omni_has_base"))
 
+    def _request_extras(self) -> Dict[str, Any]:
+        """Sampling-params fields every request gets (the native backend: its LoRA)."""
+        return {}
+
     async def _generate_one(self, prompt, sampling: Dict[str, Any], request_id: str):
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
+        sampling = {**sampling, **self._request_extras()}
         last = None
         async for output in self.omni.generate(
             prompt=prompt, request_id=request_id, sampling_params_list=[OmniDiffusionSamplingParams(**sampling)]
@@ -169,6 +186,31 @@ class VllmOmniBackend:
     def close(self) -> None:
         self.omni.shutdown()
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class NativeBackend(VllmOmniBackend):
+    """vLLM-Omni's own pipeline of the family with our scheduler (`omni.rollout.vllm_native`).
+    LoRA syncs load into vLLM-Omni's LoRA manager by path; every later request names the
+    latest adapter, so one batch never mixes two policies."""
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.lora = None  # (name, id, path) of the adapter requests use
+
+    def _request_extras(self) -> Dict[str, Any]:
+        from omni.rollout.vllm_worker import native_lora_request
+
+        return {} if self.lora is None else {"lora_request": native_lora_request(*self.lora)}
+
+    def sync_weights(self, path: str) -> Dict[str, Any]:
+        from omni.rollout.transport import sync_kind
+
+        if sync_kind(path) != "lora":
+            return self._rpc("omni_sync_weights", path)
+        adapter = (os.path.basename(path), (self.lora[1] + 1) if self.lora else 1, path)
+        answer = self._rpc("omni_add_lora", *adapter)
+        self.lora = adapter
+        return answer
 
 
 ROUTES = ("generate", "update_weights", "encode_prompts", "encode_images")
@@ -246,7 +288,7 @@ def parse_args(argv=None):
     parser.add_argument("--no-load-base", dest="load_base", action="store_false", help="start with a dummy transformer")
     parser.add_argument("--vae-inversion-steps", type=int, default=0, help="encode images by inverting the VAE's decoder (model.vae_inversion_steps)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="images per pipeline forward")
-    parser.add_argument("--backend", default="vllm", choices=("vllm", "local"))
+    parser.add_argument("--backend", default="vllm", choices=("vllm", "native", "local"))
     parser.add_argument("--device", default="cpu", help="local backend only (vLLM-Omni places its worker itself)")
     parser.add_argument("--engine-args", default="{}", help="JSON of extra AsyncOmni keyword arguments")
     parser.add_argument("--exit-with-parent", action="store_true", help="stop when the process that started us dies")
@@ -270,7 +312,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _, uvicorn = import_server("the rollout engine's server")
-    backend = (VllmOmniBackend if args.backend == "vllm" else LocalBackend)(args)
+    backend = {"vllm": VllmOmniBackend, "native": NativeBackend, "local": LocalBackend}[args.backend](args)
     stop = threading.Event()
     if args.exit_with_parent:
         stop_when_parent_dies(stop)

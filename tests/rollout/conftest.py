@@ -3,6 +3,7 @@ the pipeline vLLM-Omni would build, all on the tiny SD3."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,11 @@ import torch
 from omni.config.model import LoraConfig
 from omni.models.sd3 import FAMILY
 from omni.rollout.base import SamplingOptions
+
+# Where the engine env runs these tests on a machine without a GPU, vLLM-Omni must pick our
+# CPU platform (omni/rollout/vllm_cpu_platform.py), before any test module imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("OMNI_VLLM_CPU", "1")
 
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=list(FAMILY.lora_targets))
 
@@ -31,6 +37,23 @@ def random_lora(transformer, seed: int = 0, lora: LoraConfig = LORA):
     inject_adapter_in_model(peft_lora_config(lora), probe, adapter_name=lora.adapter_name)
     generator = torch.Generator().manual_seed(seed)
     return {name: torch.randn(p.shape, generator=generator) * 0.2 for name, p in lora_tensors(probe, lora.adapter_name).items()}
+
+
+def actor_log_probs(transformer, cond, opts: SamplingOptions, latents, sigmas) -> torch.Tensor:
+    """Each SDE step's log-prob re-scored the way the actor does (the family's velocity,
+    omni.rollout.sde's step): (B, T), 0 outside the window."""
+    from omni.rollout.sde import sde_step
+
+    out = torch.zeros(latents.shape[0], opts.num_steps)
+    start, stop = opts.sde_steps
+    with torch.no_grad():
+        for i in range(start, stop):
+            x = latents[:, i]
+            velocity = FAMILY.predict_velocity(transformer, x, sigmas[i].expand(len(x)), cond, opts.guidance_scale)
+            _, out[:, i], _, _ = sde_step(
+                velocity, x, sigmas[i], sigmas[i + 1], float(sigmas[1]), opts.noise_level, next_sample=latents[:, i + 1], sde_type=opts.sde_type
+            )
+    return out
 
 
 def od_config(model_path, load_base: bool = True, dtype=torch.float32):

@@ -63,6 +63,22 @@ def test_bad_retry_options_fail_validation_naming_the_key(tiny_cache, tmp_path):
         validate(cfg)
 
 
+@pytest.mark.parametrize("model", ["flux_tiny", "qwen_image_tiny", "wan_tiny"])
+def test_native_backend_refuses_a_family_it_does_not_extend(model, tiny_cache, tmp_path):
+    """Refused from the family alone, before any engine env is looked at."""
+    cfg = compose_config(["rollout=vllm", f"model={model}", "rollout.options.backend=native", f"model.cache_dir={tiny_cache}"], tmp_path)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    message = str(info.value)
+    for hint in ("rollout.options.backend=native", f"model.family={cfg.model.family}", "supported: model.family in ['sd3']", "vLLM-Omni 0.30.x"):
+        assert hint in message
+
+
+def test_native_backend_needs_vllm_omni_in_the_engine_env(no_engine_env):
+    problem = engine_unavailable(VllmOptions(backend="native", python=sys.executable), "sd3")
+    assert "has no vllm_omni installed" in problem
+
+
 def test_an_env_without_vllm_omni_is_refused(no_engine_env):
     assert "has no vllm_omni installed" in engine_unavailable(VllmOptions(python=sys.executable))
 

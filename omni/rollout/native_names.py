@@ -1,0 +1,79 @@
+"""Base-weight names: `collect_lora_params`' plain state-dict names -> vLLM-Omni's parameters.
+
+`rollout.options.backend=native` runs vLLM-Omni's own transformer of the family, whose
+modules follow diffusers' names except where vLLM-Omni fuses projections into one
+parallel linear layer: SD3's attention `to_q`/`to_k`/`to_v` are the shards q/k/v of
+`to_qkv`, and the context stream's `add_q_proj`/`add_k_proj`/`add_v_proj` those of
+`add_kv_proj`. A weight is loaded by its target parameter's own `weight_loader` (which
+places a shard and, under tensor parallelism, slices it), so we name the target and the
+shard; loading checks that every target parameter (every shard of a fused one) gets
+exactly one tensor.
+
+No vLLM import here: the rules are plain data, tested without the engine env.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional, Set, Tuple
+
+# family -> {plain module leaf: (vLLM-Omni's module leaf, shard)}
+FUSED: Dict[str, Dict[str, Tuple[str, str]]] = {
+    "sd3": {
+        "to_q": ("to_qkv", "q"),
+        "to_k": ("to_qkv", "k"),
+        "to_v": ("to_qkv", "v"),
+        "add_q_proj": ("add_kv_proj", "q"),
+        "add_k_proj": ("add_kv_proj", "k"),
+        "add_v_proj": ("add_kv_proj", "v"),
+    },
+}
+Target = Tuple[str, Optional[str]]  # (vLLM-Omni's parameter name, shard or None)
+
+
+def native_name(family: str, plain: str) -> Target:
+    """The vLLM-Omni parameter (and shard) that the plain tensor `plain` loads into."""
+    rules = FUSED[family]
+    module, _, leaf = plain.rpartition(".")  # leaf: weight, bias
+    parent, _, last = module.rpartition(".")
+    if last in rules:
+        fused, shard = rules[last]
+        return f"{parent}.{fused}.{leaf}" if parent else f"{fused}.{leaf}", shard
+    return plain, None
+
+
+def native_names(family: str, plain_names: Iterable[str]) -> Dict[str, Target]:
+    """Every plain name's target; two names on one target is an error naming both."""
+    targets: Dict[str, Target] = {}
+    seen: Dict[Target, str] = {}
+    for name in plain_names:
+        target = native_name(family, name)
+        if target in seen:
+            raise KeyError(f"{name} and {seen[target]} both map to vLLM-Omni's {target}")
+        seen[target] = name
+        targets[name] = target
+    return targets
+
+
+def expected_targets(family: str, native_param_names: Iterable[str]) -> Set[Target]:
+    """What a complete base sync fills: each parameter of vLLM-Omni's module, each shard
+    of a fused one."""
+    shards: Dict[str, Set[str]] = {}
+    for fused, shard in FUSED[family].values():
+        shards.setdefault(fused, set()).add(shard)
+    out: Set[Target] = set()
+    for name in native_param_names:
+        module = name.rpartition(".")[0]
+        leaf = module.rpartition(".")[2]
+        out.update((name, s) for s in shards[leaf]) if leaf in shards else out.add((name, None))
+    return out
+
+
+def check_complete(family: str, targets: Iterable[Target], native_param_names: Iterable[str]) -> None:
+    """Every target parameter and shard filled once, nothing else: else a KeyError naming them."""
+    got, want = set(targets), expected_targets(family, native_param_names)
+    missing, unexpected = sorted(want - got, key=str), sorted(got - want, key=str)
+    if missing or unexpected:
+        raise KeyError(
+            f"base weights for vLLM-Omni's {family} transformer: {len(missing)} missing {missing[:5]}, "
+            f"{len(unexpected)} unexpected {unexpected[:5]}"
+        )

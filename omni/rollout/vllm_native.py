@@ -1,0 +1,189 @@
+"""`rollout.options.backend=native`: vLLM-Omni's own pipeline of the family, with our SDE step.
+
+The `vllm` backend runs a diffusers pipeline of ours inside vLLM-Omni; this backend runs
+vLLM-Omni's own (for SD3: its `StableDiffusion3Pipeline`, with its fused-projection
+transformer, attention backends, text encoders and VAE), so rollouts get vLLM-Omni's
+kernels. Three hooks, all through interfaces vLLM-Omni's pipeline already has, none a copy
+of its code:
+
+- the scheduler: its denoising loop steps `self.scheduler`; ours (`FlowGRPOScheduler`)
+  takes the Flow-GRPO SDE / ODE steps, records the fp32 trajectory and per-step log-probs;
+- the transformer's timestep: a forward pre-hook gives it the fp32 timestep of the
+  scheduler's step (vLLM-Omni casts it to the model's dtype; in bf16 that rounds t = 1000
+  sigma by up to 2, and the actor, which re-scores with fp32 timesteps, would see another
+  velocity);
+- `diffuse` and `forward`, extended (they call vLLM-Omni's): `diffuse` notes the text
+  conditioning it is given (the actor re-scores with it), `forward` starts and finishes
+  the scheduler's rollout around vLLM-Omni's forward, decodes the fp32 final latent and
+  answers with the same `DiffusionOutput` fields as our `vllm` backend
+  (`omni.rollout.vllm_protocol.output_fields`), so the driver gets the same RolloutBatch.
+
+Weights: base weights come as plain state-dict names and load through
+`omni.rollout.native_names` into vLLM-Omni's parameters with their own weight loaders;
+LoRA adapters go through vLLM-Omni's LoRA manager (loaded by path, chosen per request; see
+`omni.rollout.vllm_worker` and `omni.rollout.vllm_server`).
+
+Imported only in the engine env (it imports vLLM-Omni).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Dict, Iterable, List, Optional
+
+import torch
+from vllm_omni.diffusion.data import DiffusionOutput
+from vllm_omni.diffusion.models.sd3.pipeline_sd3 import StableDiffusion3Pipeline
+from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+
+from omni.models import get_family
+from omni.rollout.base import RolloutBatch, SamplingOptions
+from omni.rollout.native_names import check_complete, native_names
+from omni.rollout.native_scheduler import FlowGRPOScheduler
+from omni.rollout.transport import read_weights
+from omni.rollout.vllm_protocol import group_by_options, output_fields, prompt_text
+
+
+def native_targets(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """vLLM-Omni's base tensors by name: its parameters (a LoRA wrapper's `.base_layer`
+    dropped, LoRA buffers left out) and persistent buffers (SD3's positional table)."""
+    state = module.state_dict(keep_vars=True)
+    return {name.replace(".base_layer", ""): t for name, t in state.items() if "lora_" not in name}
+
+
+@torch.no_grad()
+def load_native_base(module: torch.nn.Module, family: str, tensors: Dict[str, torch.Tensor]) -> int:
+    """Plain-named base weights into vLLM-Omni's transformer; every parameter (every shard
+    of a fused one) must be filled exactly once. Returns the number of tensors loaded."""
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    targets = native_targets(module)
+    mapped = native_names(family, tensors)
+    check_complete(family, mapped.values(), targets)
+    packed = [n for n, t in targets.items() if t.numel() == 0]
+    if packed:
+        raise RuntimeError(f"vLLM-Omni's {family} transformer holds {packed[:3]}... in a packed form a sync cannot write")
+    for name, (target, shard) in mapped.items():
+        param = targets[target]
+        loader = getattr(param, "weight_loader", None)
+        tensor = tensors[name].to(param.dtype)
+        if shard is not None:
+            loader(param, tensor, shard)
+        elif loader is not None:
+            loader(param, tensor)
+        else:
+            default_weight_loader(param, tensor)
+    return len(mapped)
+
+
+def keep_linear_weights(module: torch.nn.Module) -> None:
+    """On a CPU, vLLM repacks a linear layer's weight for its GEMM kernels after loading and
+    empties the parameter, so later syncs would have nowhere to write; a layer marked
+    `skip_weight_relayout` keeps its weight and computes with torch's linear."""
+    for layer in module.modules():
+        if hasattr(layer, "quant_method"):
+            layer.skip_weight_relayout = True
+
+
+class NativeSD3Pipeline(StableDiffusion3Pipeline):
+    """vLLM-Omni's SD3 pipeline sampling Flow-GRPO rollouts. `custom_pipeline_args`: "family"
+    ("sd3") and "load_base" (False: no checkpoint weights for the transformer; the first
+    sync fills it)."""
+
+    family_name = "sd3"
+
+    def __init__(self, *, od_config, prefix: str = ""):
+        super().__init__(od_config=od_config, prefix=prefix)
+        args = od_config.custom_pipeline_args or {}
+        self.family = get_family(self.family_name)
+        self.has_base = bool(args.get("load_base", True))
+        if not self.has_base:
+            self.weights_sources = []  # vLLM-Omni's loader reads no transformer weights
+        # declares its fused projections (stacked_params_mapping), which vLLM-Omni's LoRA
+        # manager reads to apply to_q/to_k/to_v adapters to to_qkv
+        self.transformer.load_weights(())
+        if self.device.type == "cpu":
+            keep_linear_weights(self.transformer)
+        self.scheduler = FlowGRPOScheduler.from_config(self.scheduler.config)
+        self.transformer.register_forward_pre_hook(self._fp32_timesteps, with_kwargs=True)
+        self._cond = None
+
+    # ----------------------------------------------------------------- loading
+    def load_weights(self, weights: Iterable) -> Optional[set]:
+        if self.has_base:
+            return super().load_weights(weights)
+        for name, _ in weights:
+            raise ValueError(f"started without base weights (load_base false), yet the loader sent {name}")
+        return None  # nothing loaded on purpose: skips the loader's completeness check
+
+    def sync_weights_from(self, path: str) -> Dict[str, Any]:
+        """Base weights from a directory of `omni.rollout.transport` (LoRA adapters take
+        vLLM-Omni's LoRA manager instead: the worker extension's `omni_add_lora`)."""
+        kind, tensors, _ = read_weights(path)
+        if kind != "base":
+            raise ValueError(f"{path}: a {kind} sync; the native backend loads LoRA adapters with vLLM-Omni's LoRA manager")
+        count = load_native_base(self.transformer, self.family_name, tensors)
+        self.has_base = True
+        return {"kind": kind, "tensors": count, "has_base": True}
+
+    # ----------------------------------------------------------------- hooks
+    def _fp32_timesteps(self, module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        timesteps = self.scheduler.rollout_timesteps(hidden.shape[0], hidden.device) if hidden is not None else None
+        if timesteps is None or "timestep" not in kwargs:
+            return None
+        return args, {**kwargs, "timestep": timesteps}
+
+    def diffuse(self, *args, **kwargs):
+        given = inspect.signature(super().diffuse).bind(*args, **kwargs).arguments
+        self._cond = self.family.conditioning(
+            given["prompt_embeds"], given["pooled_prompt_embeds"], given.get("negative_prompt_embeds"), given.get("negative_pooled_prompt_embeds")
+        )
+        return super().diffuse(*args, **kwargs)
+
+    # ----------------------------------------------------------------- sampling
+    def forward(self, req: DiffusionRequestBatch) -> List[DiffusionOutput]:
+        """One `DiffusionOutput` per request, in order; requests with different sampling
+        options take separate passes of vLLM-Omni's forward."""
+        prompts = [prompt_text(p) for p in req.prompts]
+        params = req.sampling_params_list
+        outputs: List[Optional[DiffusionOutput]] = [None] * len(prompts)
+        for options, rows in group_by_options(prompts, params):
+            part = req if len(rows) == len(prompts) else DiffusionRequestBatch(requests=[req.requests[i] for i in rows])
+            batch = self._rollout(part, [prompts[i] for i in rows], [_seed(params[i]) for i in rows], options)
+            for j, i in enumerate(rows):
+                outputs[i] = DiffusionOutput(**output_fields(batch, j))
+        return outputs
+
+    @torch.no_grad()
+    def _rollout(self, req, prompts: List[str], seeds: List[int], options: SamplingOptions) -> RolloutBatch:
+        self.scheduler.start_rollout(seeds, options)
+        try:
+            super().forward(req)
+            final = self.scheduler.final_latents()
+            trajectory = self.scheduler.finish_rollout()
+        finally:
+            self.scheduler.cancel_rollout()
+        images = self.family.decode(self, final, options.resolution).cpu()
+        cond = self._cond.apply(lambda t: t.cpu())
+        return RolloutBatch(prompts, images, trajectory.latents, trajectory.log_probs, trajectory.sigmas, cond, options)
+
+    # ----------------------------------------------------------------- encoding (DPO)
+    @torch.no_grad()
+    def encode_prompts(self, prompts, guidance_scale: float, max_sequence_length: int):
+        """The family's conditioning from vLLM-Omni's text encoders (negatives: the empty prompt)."""
+        embeds, pooled = self.encode_prompt(prompt=list(prompts), prompt_2=None, prompt_3=None, max_sequence_length=max_sequence_length)
+        negatives = (None, None)
+        if guidance_scale > 1:
+            negatives = self.encode_prompt(prompt=[""] * len(prompts), prompt_2=None, prompt_3=None, max_sequence_length=max_sequence_length)
+        return self.family.conditioning(embeds, pooled, *negatives).apply(lambda t: t.cpu())
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        inversion_steps = (self.od_config.custom_pipeline_args or {}).get("vae_inversion_steps", 0)
+        return self.family.encode_images(self, images, self.vae.device, inversion_steps)
+
+
+def _seed(params) -> int:
+    if params.seed is None:
+        raise ValueError("a rollout request needs a seed (its image's noise is drawn from it)")
+    return int(params.seed)

@@ -1,0 +1,40 @@
+"""Base-weight names for the native backend: collect_lora_params' plain names of the tiny
+SD3 -> vLLM-Omni's parameters and shards, each filled exactly once. (Against vLLM-Omni's
+real transformer: tests/rollout/test_vllm_native_contract.py, in the engine env.)"""
+
+import pytest
+
+from omni.models.sd3 import build_tiny_transformer
+from omni.rollout.native_names import check_complete, expected_targets, native_name, native_names
+from omni.weights import plain_base_names
+
+PLAIN = list(plain_base_names(build_tiny_transformer(0)))
+
+
+def test_every_plain_name_has_its_own_target():
+    targets = native_names("sd3", PLAIN)
+    assert set(targets) == set(PLAIN) and len(set(targets.values())) == len(PLAIN)
+    fused = {t for t in targets.values() if t[1] is not None}
+    # the tiny SD3 has 2 blocks: to_q/k/v and add_q/k/v_proj, weight and bias, in each
+    assert len(fused) == 2 * 2 * 6
+    assert native_name("sd3", "transformer_blocks.1.attn.add_k_proj.bias") == ("transformer_blocks.1.attn.add_kv_proj.bias", "k")
+    assert native_name("sd3", "transformer_blocks.0.attn.to_out.0.weight") == ("transformer_blocks.0.attn.to_out.0.weight", None)
+
+
+def test_the_fused_names_complete_vllm_omnis_parameters():
+    """vLLM-Omni's names are the plain ones with to_q/k/v fused into to_qkv (the contract
+    test checks that against its real module): a full sync fills each once."""
+    targets = native_names("sd3", PLAIN)
+    fused_names = sorted({target for target, _ in targets.values()})
+    check_complete("sd3", targets.values(), fused_names)
+    assert expected_targets("sd3", fused_names) == set(targets.values())
+
+
+def test_a_missing_or_doubled_tensor_is_named():
+    targets = native_names("sd3", PLAIN)
+    fused_names = {target for target, _ in targets.values()}
+    short = [t for name, t in targets.items() if name != "transformer_blocks.0.attn.to_v.weight"]
+    with pytest.raises(KeyError, match=r"1 missing \[\('transformer_blocks.0.attn.to_qkv.weight', 'v'\)\]"):
+        check_complete("sd3", short, fused_names)
+    with pytest.raises(KeyError, match="both map to"):
+        native_names("sd3", ["x.to_q.weight", "x.to_q.weight"])
