@@ -142,16 +142,23 @@ class ScoredSteps:
     velocity: torch.Tensor  # (n, *latent) the predicted velocity the step came from
 
 
-def score_steps(worker, rollout: RolloutBatch, samples: torch.Tensor, steps: torch.Tensor, reference: bool = False) -> ScoredSteps:
+def score_steps(
+    worker, rollout: RolloutBatch, samples: torch.Tensor, steps: torch.Tensor, reference: bool = False, rollout_uncond: bool = False
+) -> ScoredSteps:
     """The Gaussian step of each stored transition (sample i, step j) under the policy (with
-    gradients) or the reference (adapters disabled, no gradients)."""
+    gradients) or the reference (adapters disabled, no gradients). `rollout_uncond`: take
+    the guidance's unconditional velocity from the rollout (`RolloutBatch.uncond_velocities`),
+    valid while the weights are the rollout's."""
     opts = rollout.options
     latents = worker.to_device(rollout.latents[samples, steps])
     next_latents = worker.to_device(rollout.latents[samples, steps + 1])
     sigma, sigma_next = rollout.sigmas[steps], rollout.sigmas[steps + 1]
     cond = rollout.cond.apply(lambda t: worker.to_device(t[samples]))
     uncond_grad = CFGGradient(worker.cfg.algorithm.cfg_gradient) == CFGGradient.both
-    velocity = worker.velocity(latents, sigma, cond, opts.guidance_scale, reference=reference, uncond_grad=uncond_grad)
+    uncond = None
+    if rollout_uncond and not reference:
+        uncond = worker.to_device(rollout.uncond_velocities[samples, steps - opts.sde_steps[0]])
+    velocity = worker.velocity(latents, sigma, cond, opts.guidance_scale, reference=reference, uncond_grad=uncond_grad, uncond=uncond)
     _, log_prob, mean, scale = sde_step(
         velocity, latents, sigma, sigma_next, float(rollout.sigmas[1]), opts.noise_level, next_sample=next_latents, sde_type=opts.sde_type
     )
@@ -200,9 +207,12 @@ def clipped_loss(policy: ScoredSteps, old: OldSteps, algo) -> Tuple[torch.Tensor
     return loss, {"clip_fraction": clip_fraction, "ratio": ratio.mean()}
 
 
-def minibatch_step(worker, batch: GRPOBatch, samples, steps, policy_loss=clipped_loss, old_means=None) -> Dict[str, float]:
+def minibatch_step(
+    worker, batch: GRPOBatch, samples, steps, policy_loss=clipped_loss, old_means=None, rollout_uncond: bool = False
+) -> Dict[str, float]:
     """One optimizer step on the transitions (samples, steps), in micro-batches; the loss is
-    `policy_loss(policy steps, old steps, algorithm config)` plus the KL penalty."""
+    `policy_loss(policy steps, old steps, algorithm config)` plus the KL penalty.
+    `rollout_uncond`: see `score_steps`."""
     algo = worker.cfg.algorithm
     sums: Dict[str, torch.Tensor] = {}  # tensors: no device sync per micro-batch
     worker.zero_grad()
@@ -210,7 +220,7 @@ def minibatch_step(worker, batch: GRPOBatch, samples, steps, policy_loss=clipped
     start = batch.rollout.options.sde_steps[0]
     for i, rows in enumerate(chunks):
         s, j = samples[rows], steps[rows]
-        policy = score_steps(worker, batch.rollout, s, j)
+        policy = score_steps(worker, batch.rollout, s, j, rollout_uncond=rollout_uncond)
         kl = torch.zeros_like(policy.log_prob)
         if algo.kl_coef > 0:
             kl = reference_kl(policy, score_steps(worker, batch.rollout, s, j, reference=True), algo.kl_type)
@@ -252,11 +262,15 @@ def run_update(worker, batch: GRPOBatch, seed: int, first: int, policy_loss=clip
     algo = worker.cfg.algorithm
     old_means = rollout_step_means(worker, batch.rollout) if needs_old_means else None
     totals: Dict[str, List[float]] = {}
+    # until the first optimizer step the weights are the rollout's (the engine is synced after
+    # every update), so the unconditional velocities the rollout kept are the policy's own
+    unchanged = batch.rollout.uncond_velocities is not None
     for epoch in range(algo.num_inner_epochs):
         plan = minibatch_rows(len(batch), batch.rollout.options.sde_steps, algo.num_minibatches, seed * 1_009 + epoch, first)
         for samples, steps in plan:
-            for key, value in minibatch_step(worker, batch, samples, steps, policy_loss, old_means).items():
+            for key, value in minibatch_step(worker, batch, samples, steps, policy_loss, old_means, unchanged).items():
                 totals.setdefault(key, []).append(value)
+            unchanged = False
     return {key: sum(values) / len(values) for key, values in totals.items()}
 
 

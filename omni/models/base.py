@@ -256,6 +256,24 @@ class ModelFamily:
         gradients, on its own (`algorithm.cfg_gradient=conditional`)."""
         raise NotImplementedError
 
+    def velocity_pass(self, transformer, latents, sigmas, cond: Conditioning, negative: bool = False) -> torch.Tensor:
+        """One transformer pass on the prompts' conditioning (or, `negative`, on the
+        negative prompt's, classifier-free guidance's unconditional pass), fp32."""
+        raise NotImplementedError(f"model family {self.name} has no classifier-free guidance passes")
+
+    def guide(self, text: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+        """Classifier-free guidance's combination of the two passes' velocities."""
+        return uncond + guidance_scale * (text - uncond)
+
+    def guided_velocity(self, transformer, latents, sigmas, cond: Conditioning, guidance_scale: float, uncond=None):
+        """(guided velocity, unconditional velocity) from the two passes run apart, the
+        unconditional one without gradients, or taken as given (`uncond`: the rollout's, when
+        the weights have not changed since): `algorithm.cfg_gradient=conditional`."""
+        if uncond is None:
+            with torch.no_grad():
+                uncond = self.velocity_pass(transformer, latents, sigmas, cond, negative=True)
+        return self.guide(self.velocity_pass(transformer, latents, sigmas, cond), uncond, guidance_scale), uncond
+
     def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:
         """Latents -> images (B, 3, H, W), or a video family's clips (B, F, 3, H, W), in [0, 1]."""
         raise NotImplementedError

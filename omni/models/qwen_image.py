@@ -324,13 +324,20 @@ class QwenImageFamily(ModelFamily):
         """The velocity at noise levels `sigmas`, with true CFG (two passes, each prompt cut to
         its batch's longest, as the pipeline runs them; the unconditional one without
         gradients with `uncond_grad=False`) when guidance_scale > 1."""
-        # the pipeline hands the scheduler's timestep (sigma x 1000, fp32) over divided by 1000
-        timestep = sigmas.float() * 1000 / 1000
-        text = velocity(transformer, latents, timestep, cond.embeds, cond.mask)
+        if guidance_scale > 1 and not uncond_grad:
+            return self.guided_velocity(transformer, latents, sigmas, cond, guidance_scale)[0]
+        text = self.velocity_pass(transformer, latents, sigmas, cond)
         if guidance_scale <= 1:
             return text
-        with torch.set_grad_enabled(uncond_grad and torch.is_grad_enabled()):
-            uncond = velocity(transformer, latents, timestep, cond.neg_embeds, cond.neg_mask)
+        return true_cfg(text, self.velocity_pass(transformer, latents, sigmas, cond, negative=True), guidance_scale)
+
+    def velocity_pass(self, transformer, latents, sigmas, cond: QwenPromptEmbeds, negative: bool = False):
+        # the pipeline hands the scheduler's timestep (sigma x 1000, fp32) over divided by 1000
+        timestep = sigmas.float() * 1000 / 1000
+        embeds, mask = (cond.neg_embeds, cond.neg_mask) if negative else (cond.embeds, cond.mask)
+        return velocity(transformer, latents, timestep, embeds, mask)
+
+    def guide(self, text: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
         return true_cfg(text, uncond, guidance_scale)
 
     def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:

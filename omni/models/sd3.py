@@ -156,19 +156,11 @@ class SD3Family(ModelFamily):
         or two with `uncond_grad=False`). `latents` and `cond` come in the transformer's dtype."""
         # fp32 timesteps (the transformer's sinusoidal embedding computes in fp32 anyway):
         # sigma rounded to bf16 before x1000 would be off by up to 2 timesteps
-        timesteps = sigmas.float() * 1000
-
-        def one_pass(embeds, pooled):
-            return transformer(
-                hidden_states=latents, timestep=timesteps, encoder_hidden_states=embeds, pooled_projections=pooled, return_dict=False
-            )[0].float()
-
         if guidance_scale <= 1:
-            return one_pass(cond.embeds, cond.pooled)
+            return self.velocity_pass(transformer, latents, sigmas, cond)
         if not uncond_grad:
-            with torch.no_grad():
-                uncond = one_pass(cond.neg_embeds, cond.neg_pooled)
-            return uncond + guidance_scale * (one_pass(cond.embeds, cond.pooled) - uncond)
+            return self.guided_velocity(transformer, latents, sigmas, cond, guidance_scale)[0]
+        timesteps = sigmas.float() * 1000
         out = transformer(
             hidden_states=torch.cat([latents, latents]),
             timestep=torch.cat([timesteps, timesteps]),
@@ -178,6 +170,12 @@ class SD3Family(ModelFamily):
         )[0]
         uncond, text = out.float().chunk(2)
         return uncond + guidance_scale * (text - uncond)
+
+    def velocity_pass(self, transformer, latents, sigmas, cond: PromptEmbeds, negative: bool = False):
+        embeds, pooled = (cond.neg_embeds, cond.neg_pooled) if negative else (cond.embeds, cond.pooled)
+        return transformer(
+            hidden_states=latents, timestep=sigmas.float() * 1000, encoder_hidden_states=embeds, pooled_projections=pooled, return_dict=False
+        )[0].float()
 
     def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:
         return vae_decode(pipe.vae, latents)

@@ -242,17 +242,11 @@ class WanFamily(ModelFamily):
         """The velocity at noise levels `sigmas` (fp32 timesteps sigma x 1000, as the pipeline's
         scheduler gives them), with CFG's two passes run as one batch when guidance_scale > 1
         (apart, the unconditional one without gradients, with `uncond_grad=False`)."""
-        timesteps = sigmas.float() * 1000
-
-        def one_pass(embeds):
-            return transformer(hidden_states=latents, timestep=timesteps, encoder_hidden_states=embeds, return_dict=False)[0].float()
-
         if guidance_scale <= 1:
-            return one_pass(cond.embeds)
+            return self.velocity_pass(transformer, latents, sigmas, cond)
         if not uncond_grad:
-            with torch.no_grad():
-                uncond = one_pass(cond.neg_embeds)
-            return uncond + guidance_scale * (one_pass(cond.embeds) - uncond)
+            return self.guided_velocity(transformer, latents, sigmas, cond, guidance_scale)[0]
+        timesteps = sigmas.float() * 1000
         out = transformer(
             hidden_states=torch.cat([latents, latents]),
             timestep=torch.cat([timesteps, timesteps]),
@@ -261,6 +255,10 @@ class WanFamily(ModelFamily):
         )[0]
         text, uncond = out.float().chunk(2)
         return uncond + guidance_scale * (text - uncond)
+
+    def velocity_pass(self, transformer, latents, sigmas, cond: WanPromptEmbeds, negative: bool = False):
+        embeds = cond.neg_embeds if negative else cond.embeds
+        return transformer(hidden_states=latents, timestep=sigmas.float() * 1000, encoder_hidden_states=embeds, return_dict=False)[0].float()
 
     def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:
         return decode_clips(pipe.vae, latents)

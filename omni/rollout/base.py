@@ -43,6 +43,9 @@ class RolloutBatch:
     sigmas: torch.Tensor  # (T + 1,) noise level of each latent
     cond: Conditioning  # the model family's text conditioning, one row per image
     options: SamplingOptions
+    # (B, SDE steps, *latent) fp32: classifier-free guidance's unconditional velocity at each
+    # SDE step, kept when the update reuses it (algorithm.cfg_gradient=conditional); else None
+    uncond_velocities: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -58,6 +61,7 @@ class RolloutBatch:
             sigmas=self.sigmas,
             cond=self.cond.apply(lambda t: t[rows].clone()),
             options=self.options,
+            uncond_velocities=None if self.uncond_velocities is None else self.uncond_velocities[rows].clone(),
         )
 
     @staticmethod
@@ -72,6 +76,7 @@ class RolloutBatch:
             sigmas=first.sigmas,
             cond=type(first.cond).cat([p.cond for p in parts]),
             options=first.options,
+            uncond_velocities=None if any(p.uncond_velocities is None for p in parts) else torch.cat([p.uncond_velocities for p in parts]),
         )
 
 

@@ -18,6 +18,7 @@ import contextlib
 
 import torch
 
+from omni.config.algorithm import CFGGradient
 from omni.config.model import LoraConfig
 from omni.models.base import Conditioning, ModelFamily
 from omni.rollout.base import RolloutBatch, SamplingOptions
@@ -37,11 +38,13 @@ class DiffusersEngine:
         actor=None,
         offload_text_encoders: bool = False,
         vae_inversion_steps: int = 0,
+        keep_uncond: bool = False,
     ):
         """`actor`: the trained transformer to sample with (shared, not copied); None: the
         pipeline's own transformer, which syncs update. `offload_text_encoders`: see
         `PromptCache`. `vae_inversion_steps`: images are encoded by inverting the decoder
-        (`omni.models.base.invert_decoder`) instead of with the VAE's encoder."""
+        (`omni.models.base.invert_decoder`) instead of with the VAE's encoder. `keep_uncond`:
+        rollouts keep the unconditional velocity of their SDE steps (`sample_rollout`)."""
         self.family = family
         self.prompts = PromptCache(family, pipe, device, offload_text_encoders)
         for name, component in pipe.components.items():
@@ -60,14 +63,16 @@ class DiffusersEngine:
         self.device = device
         self.micro_batch_size = micro_batch_size
         self.vae_inversion_steps = vae_inversion_steps
+        self.keep_uncond = keep_uncond
         self.has_base = has_base or self.shares_actor
         self.adapter_name: Optional[str] = None
 
     def generate(self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions) -> RolloutBatch:
         with self._sampling_mode():
             return sample_rollout(
-                self.family, self.pipe, prompts, seeds, options, self.micro_batch_size, self.device, self.dtype, self.prompts
-            )
+                self.family, self.pipe, prompts, seeds, options, self.micro_batch_size, self.device, self.dtype, self.prompts,
+                self.keep_uncond,
+            )  # fmt: skip
 
     @contextlib.contextmanager
     def _sampling_mode(self):
@@ -136,18 +141,23 @@ def load_diffusers_engine(
     actor=None,
     offload_text_encoders: bool = False,
     vae_inversion_steps: int = 0,
+    keep_uncond: bool = False,
 ) -> DiffusersEngine:
     """An engine on the checkpoint at `model_path`, sampling with `actor` when given (its
     own transformer is then never loaded); without `load_base`, its transformer is a dummy
     of the right shape that the first weight sync fills."""
     pipe = family.load_pipeline(model_path, dtype, load_base, without_transformer=actor is not None)
-    return DiffusersEngine(family, pipe, device, dtype, micro_batch_size, load_base, actor, offload_text_encoders, vae_inversion_steps)
+    return DiffusersEngine(
+        family, pipe, device, dtype, micro_batch_size, load_base, actor, offload_text_encoders, vae_inversion_steps, keep_uncond
+    )
 
 
 def build(cfg, family: ModelFamily, model_path: str, device: torch.device, dtype: torch.dtype, actor=None) -> DiffusersEngine:
-    """`rollout.engine=diffusers`."""
+    """`rollout.engine=diffusers`. With `algorithm.cfg_gradient=conditional` the update
+    takes the rollout's unconditional velocities for its first optimizer step."""
     rollout = cfg.rollout
+    conditional = getattr(cfg.algorithm, "cfg_gradient", None) == CFGGradient.conditional
     return load_diffusers_engine(
         family, model_path, device, dtype, rollout.micro_batch_size, rollout.load_base, actor, rollout.offload_text_encoders,
-        cfg.model.vae_inversion_steps,
+        cfg.model.vae_inversion_steps, keep_uncond=conditional,
     )

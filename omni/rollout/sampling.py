@@ -86,12 +86,14 @@ class PromptCache:
 
 @torch.no_grad()
 def sample_trajectories(
-    family: ModelFamily, pipe, cond: Conditioning, seeds: Sequence[int], sigmas: torch.Tensor, options: SamplingOptions, device, dtype
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    family: ModelFamily, pipe, cond: Conditioning, seeds: Sequence[int], sigmas: torch.Tensor, options: SamplingOptions, device, dtype,
+    keep_uncond: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """One micro-batch: (latents (B, T+1, ...), log_probs (B, T), images (B, 3, H, W) or clips
-    (B, F, 3, H, W)), fp32
-    on the CPU. `dtype` is the transformer's, read once by the caller (reading a module's dtype
-    walks all its parameters)."""
+    (B, F, 3, H, W), and with `keep_uncond` the unconditional velocities of the SDE steps
+    (B, SDE steps, ...), else None), fp32 on the CPU. With `keep_uncond` the guidance's two
+    passes run apart (`ModelFamily.guided_velocity`). `dtype` is the transformer's, read once
+    by the caller (reading a module's dtype walks all its parameters)."""
     transformer = pipe.transformer
     generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
 
@@ -99,13 +101,17 @@ def sample_trajectories(
         return family.initial_latents(pipe, generators, options.resolution, options.num_frames).to(device, torch.float32)
 
     x = draw()
-    trajectory, log_probs = [x], []
+    trajectory, log_probs, unconds = [x], [], []
     start, stop = options.sde_steps
     sigma_max = float(sigmas[1])
     ode = ODESolver(options.ode_solver)
     for i in range(options.num_steps):
         sigma = sigmas[i].expand(len(seeds)).to(device)
-        velocity = family.predict_velocity(transformer, x.to(dtype), sigma, cond, options.guidance_scale)
+        if keep_uncond and start <= i < stop:
+            velocity, uncond = family.guided_velocity(transformer, x.to(dtype), sigma, cond, options.guidance_scale)
+            unconds.append(uncond.cpu())
+        else:
+            velocity = family.predict_velocity(transformer, x.to(dtype), sigma, cond, options.guidance_scale)
         if start <= i < stop and is_noisy_step(options.sde_type, sigmas[i + 1]):
             x, log_prob, _, _ = sde_step(
                 velocity, x, sigmas[i], sigmas[i + 1], sigma_max, options.noise_level, noise=draw(), sde_type=options.sde_type
@@ -116,7 +122,8 @@ def sample_trajectories(
         trajectory.append(x)
         log_probs.append(log_prob)
     images = family.decode(pipe, x, options.resolution)
-    return torch.stack(trajectory, 1).cpu(), torch.stack(log_probs, 1).cpu(), images.cpu()
+    uncond = torch.stack(unconds, 1) if unconds else None
+    return torch.stack(trajectory, 1).cpu(), torch.stack(log_probs, 1).cpu(), images.cpu(), uncond
 
 
 @torch.no_grad()
@@ -130,14 +137,19 @@ def sample_rollout(
     device,
     dtype,
     prompt_cache: Optional[PromptCache] = None,
+    keep_uncond: bool = False,
 ) -> RolloutBatch:
     """Sample every (prompt, seed) in micro-batches; the batch the actor re-scores (the
-    prompts encoded through `prompt_cache`, or a cache for this call only)."""
+    prompts encoded through `prompt_cache`, or a cache for this call only). `keep_uncond`:
+    under classifier-free guidance with two passes, the batch keeps the unconditional
+    velocity of each SDE step (`RolloutBatch.uncond_velocities`)."""
     prompt_cache = prompt_cache or PromptCache(family, pipe, device, offload=False)
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     sigmas = family.sigmas(pipe, options.num_steps, options.resolution)
     cond = prompt_cache.encode(prompts, options.guidance_scale, options.max_sequence_length)
+    start, stop = options.sde_steps
+    keep_uncond = keep_uncond and stop > start and family.forward_passes(options.guidance_scale) == 2
     chunks = [
         sample_trajectories(
             family,
@@ -148,8 +160,10 @@ def sample_rollout(
             options,
             device,
             dtype,
+            keep_uncond,
         )
         for s in range(0, len(prompts), micro_batch_size)
     ]
-    latents, log_probs, images = (torch.cat(parts) for parts in zip(*chunks))
-    return RolloutBatch(list(prompts), images, latents, log_probs, sigmas, cond.apply(lambda t: t.cpu()), options)
+    latents, log_probs, images = (torch.cat(parts) for parts in list(zip(*chunks))[:3])
+    uncond = torch.cat([chunk[3] for chunk in chunks]) if keep_uncond else None
+    return RolloutBatch(list(prompts), images, latents, log_probs, sigmas, cond.apply(lambda t: t.cpu()), options, uncond)

@@ -19,7 +19,7 @@ import contextlib
 import copy
 import math
 import time
-from typing import Callable, Dict, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
@@ -208,14 +208,18 @@ class ActorRolloutWorker:
         return tensor.to(self.device, torch.float32)
 
     def velocity(
-        self, latents, sigmas, cond: Conditioning, guidance_scale: float, reference: bool = False, uncond_grad: bool = True
+        self, latents, sigmas, cond: Conditioning, guidance_scale: float, reference: bool = False, uncond_grad: bool = True,
+        uncond: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """The actor's velocity (with gradients; under CFG through the unconditional pass
-        too unless `uncond_grad=False`), or the reference's (`reference_model`, no
+        too unless `uncond_grad=False`, or with the unconditional velocity `uncond` given:
+        only the conditional pass runs), or the reference's (`reference_model`, no
         gradients), in fp32; inputs already on the device (`to_device`), cast here to the
         transformer's compute dtype."""
         latents, sigmas = latents.to(self.dtype), sigmas.to(self.device)
         cond = cond.apply(lambda t: t.to(self.dtype))
+        if uncond is not None and not reference:
+            return self.family.guided_velocity(self.actor, latents, sigmas, cond, guidance_scale, uncond=uncond)[0]
         if not reference:
             return self.family.predict_velocity(self.actor, latents, sigmas, cond, guidance_scale, uncond_grad)
         with torch.no_grad(), self.reference_model() as model:

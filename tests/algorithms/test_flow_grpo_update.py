@@ -260,3 +260,57 @@ def test_conditional_cfg_gradient_needs_an_unconditional_pass(tiny_cache):
     for overrides in (["rollout.guidance_scale=1.0"], ["model=flux_tiny", "rollout.guidance_scale=3.5"]):
         with pytest.raises(ConfigError, match="algorithm.cfg_gradient=conditional: model.family=.* runs no unconditional pass"):
             validate(compose_config([f"model.cache_dir={tiny_cache}", "algorithm.cfg_gradient=conditional", *overrides]))
+
+
+def gradients_of_stepping_update(worker, batch):
+    """The gradients of each optimizer step of one update that does step; the LoRA and the
+    optimizer state are put back afterwards."""
+    lora = [p.detach().clone() for p in worker.trainable]
+    optimizer = worker.optimizer.state_dict()
+    seen, step = [], worker.optimizer_step
+
+    def record_then_step():
+        seen.append(torch.cat([p.grad.flatten() for p in worker.trainable]))
+        return step()
+
+    worker.optimizer_step = record_then_step
+    try:
+        flow_grpo.update(worker, batch, seed=0)
+    finally:
+        del worker.optimizer_step
+        with torch.no_grad():
+            for p, saved in zip(worker.trainable, lora):
+                p.copy_(saved)
+        worker.optimizer.load_state_dict(optimizer)
+    return seen
+
+
+def test_the_first_optimizer_step_takes_the_rollouts_unconditional_velocities(fresh):
+    """cfg_gradient=conditional: the rollout keeps each SDE step's unconditional velocity (the
+    policy's own: equal to a pass under the current weights), and the update's first
+    optimizer step uses them instead of a pass of its own; its gradients equal those of
+    recomputing them (to float rounding: the rollout ran other batch shapes), and the next
+    step, after the weights moved, recomputes them."""
+    from dataclasses import replace
+
+    randomise_lora(fresh)
+    fresh.cfg.algorithm.cfg_gradient, fresh.engine.keep_uncond = "conditional", True
+    try:
+        opts = replace(training_options(fresh.cfg, 0), guidance_scale=3.0)
+        batch = fresh.generate([p for p in PROMPTS for _ in range(2)], step_seeds(0, 0, 4), opts)
+        start, stop = opts.sde_steps
+        assert batch.uncond_velocities.shape == (4, stop - start, *batch.latents.shape[2:])
+        with torch.no_grad():
+            j = torch.arange(start, stop)
+            latents = fresh.to_device(batch.latents[1, j]).to(fresh.dtype)
+            cond = batch.cond.apply(lambda t: fresh.to_device(t[[1] * len(j)]))
+            again = fresh.family.velocity_pass(fresh.actor, latents, batch.sigmas[j], cond, negative=True)
+        assert (again - batch.uncond_velocities[1]).abs().max() < 1e-5
+        advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+        reused = gradients_of_stepping_update(fresh, flow_grpo.GRPOBatch(batch, advantages))
+        recomputed = gradients_of_stepping_update(fresh, flow_grpo.GRPOBatch(replace(batch, uncond_velocities=None), advantages))
+    finally:
+        fresh.cfg.algorithm.cfg_gradient, fresh.engine.keep_uncond = "both", False
+    assert len(reused) == len(recomputed) == 2
+    for a, b in zip(reused, recomputed):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), float((a - b).abs().max())
