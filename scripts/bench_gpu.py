@@ -1,28 +1,54 @@
-"""GPU benchmark of a real architecture with random weights (no download); prints JSON.
+"""GPU benchmark of the real SD3.5-Medium and FLUX.1-dev architectures with random weights
+(no download); prints JSON, one section per architecture.
 
-    python scripts/bench_gpu.py                                   # SD3.5-Medium, 512 px, bf16, cuda
-    python scripts/bench_gpu.py --arch sd3.5-large --resolution 1024 --batch 4
-    python scripts/bench_gpu.py --tiny --device cpu --dtype float32   # checks the script on the tiny SD3
+    python scripts/bench_gpu.py                      # SD3.5-Medium then FLUX.1-dev: 512 px, bf16, cuda
+    python scripts/bench_gpu.py --arch flux.1-dev --resolution 1024 --batch 4
+    python scripts/bench_gpu.py --estimate           # the FLOPs and seconds estimate only (meta device)
+    python scripts/bench_gpu.py --tiny --device cpu --dtype float32   # checks the script on each family's tiny model
 
-The transformer is built from its published config (omni/models/configs/, or --tiny: the
-tiny SD3's) with random weights, a LoRA on the family's default targets, and the family's VAE;
-the text conditioning is random tensors of the real shapes (the text encoders are not what
-is measured). One run measures, on the same transformer, VAE, batch, steps, CFG and size:
+Each `--arch` (default: sd3.5-medium, then flux.1-dev; any published architecture of the SD3
+and FLUX families) is built from its family's published configs (omni/models/configs/: the
+transformer's, the family's VAE's `published_vae_config`, its `published_scheduler_config`;
+with --tiny, the family's tiny model's) with random weights, a LoRA on the family's default
+targets, the VAE in fp32 as the recipes keep it. The text conditioning is random tensors of
+the real shapes (the text encoders are not what is measured): SD3, CLIP's 77 tokens then
+T5's 256 (StableDiffusion3Pipeline's default max_sequence_length), width 4096, pooled 2048,
+negatives for classifier-free guidance 4.5 (two passes); FLUX.1-dev, T5's 512 tokens
+(FluxPipeline's default), width 4096, CLIP's pooled 768, distilled guidance 3.5 (one pass).
+On the same transformer, VAE, batch, steps, guidance and size it measures:
 
 - rollout: images/s of our sampler (every step an SDE step with its log-prob, the trajectory
-  kept, decoded) against the diffusers pipeline's own `__call__`, and their ratio;
-- update: training transitions/s of one micro-batch forward + backward through the LoRA with
-  CFG (what Flow-GRPO's update computes per transition), with and without checkpointing;
-- peak device memory of each phase, model FLOPs utilisation (2 x linear params x tokens
-  per forward plus attention, backward counted as one more forward for a frozen base),
-  and the seconds `collect_lora_params` takes to gather the LoRA for an engine copy
-  (with the default shared engine no sync runs at all).
-Best of --repeats timings after a warm-up.
+  kept, decoded) against the family's diffusers pipeline `__call__` given the same
+  embeddings (StableDiffusion3Pipeline / FluxPipeline; a pre-hook hands its VAE fp32 latents,
+  as ours does), and their ratio;
+- update: training transitions/s of one micro-batch forward + backward through the LoRA
+  (what Flow-GRPO's update computes per transition), without and with gradient
+  checkpointing, for each `algorithm.cfg_gradient` the family takes: SD3 `both` (the exact
+  gradient through both CFG passes) and `conditional` (the unconditional pass without
+  gradients); FLUX's one pass is `both` alone;
+- peak device memory of each phase; model FLOPs utilisation of the transformer: per forward,
+  2 x linear weights (the LoRA's left out) x tokens plus attention's 4 x tokens^2 x width per
+  block (SD3.5-Medium's extra image-only attention in 13 blocks, ~1.5%, is left out); an
+  update counts one more forward for its backward (the base is frozen: no weight gradients)
+  and not the checkpointing's recompute; the VAE is not counted;
+- the seconds `collect_lora_params` takes to gather the LoRA for an engine copy (with the
+  default shared engine no sync runs at all).
+Times are the best of --repeats after one warm-up.
+
+Time on one H200, an ESTIMATE from these FLOPs at 30% of 989 dense bf16 TFLOPS, with the
+defaults (512 px, batch 8, 10 steps, micro-batch 4, 2 repeats; `--estimate` prints it): the
+transformer's timed work is ~25 s for SD3.5-Medium (rollouts 21 s, updates 4 s) and ~70 s for
+FLUX.1-dev (62 s, 8 s), to which come the VAE's decoding, building the models (random
+initialisation on the GPU) and the imports: well inside 8 minutes. Not yet measured on a GPU.
+`--time-budget-s` skips a phase whose estimate no longer fits in what is left of it, naming it
+under the section's `skipped`.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import inspect
 import json
 import sys
 import time
@@ -32,16 +58,189 @@ import torch
 
 from omni.config.model import LoraConfig
 from omni.fsdp_utils import collect_lora_params
+from omni.memory import arch_config
 from omni.models import get_family
 from omni.rollout.base import SamplingOptions
 from omni.rollout.sampling import sample_trajectories
-from omni.weights import add_lora_adapter
+from omni.weights import add_lora_adapter, is_lora_name
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+FAMILIES = ("sd3", "flux")  # image families whose diffusers pipeline takes prompt embeddings
+DEFAULT_ARCHS = ["sd3.5-medium", "flux.1-dev"]
+# Guidance and T5 tokens of each published architecture as its pipeline runs it: the SD3.5
+# model cards' guidance, StableDiffusion3Pipeline's max_sequence_length 256, FluxPipeline's
+# 512 and dev's 3.5; schnell takes no guidance.
+ARCH_SETTINGS = {
+    "sd3.5-medium": dict(guidance=4.5, t5_tokens=256),
+    "sd3.5-large": dict(guidance=3.5, t5_tokens=256),
+    "flux.1-dev": dict(guidance=3.5, t5_tokens=512),
+    "flux.1-schnell": dict(guidance=0.0, t5_tokens=256),
+}
+TINY_T5_TOKENS = 16  # the tiny models' tokenizer length
+# The pipelines' `__call__` argument for each conditioning field (both families name them alike).
+PIPELINE_ARGS = {
+    "embeds": "prompt_embeds",
+    "pooled": "pooled_prompt_embeds",
+    "neg_embeds": "negative_prompt_embeds",
+    "neg_pooled": "negative_pooled_prompt_embeds",
+}
+ASSUMED_MFU = 0.3  # for the time estimate only
+CFG_GRADIENTS = ("both", "conditional")
 
 
-def config_json(name: str) -> dict:
-    return json.loads((resources.files("omni") / "models" / "configs" / name).read_text())
+def figure(x: float) -> float:
+    """Four significant digits (a tiny model's MFU is far below 1e-4)."""
+    return float(f"{x:.4g}")
+
+
+def family_of(arch: str):
+    for name in FAMILIES:
+        family = get_family(name)
+        if arch in family.published_configs:
+            return family
+    raise SystemExit(f"--arch {arch}: not a published architecture of the families {FAMILIES}")
+
+
+def component_configs(family, arch: str, tiny: bool, cache_dir: str):
+    """(transformer, VAE, scheduler) configs: the published architecture's, or with `tiny`
+    the family's tiny model's (built offline on first use)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+
+    if tiny:
+        root = family.tiny_path(cache_dir, 0)
+        vae = AutoencoderKL.load_config(str(root), subfolder="vae")
+        return family.transformer_config(root), vae, FlowMatchEulerDiscreteScheduler.load_config(str(root), subfolder="scheduler")
+    transformer = arch_config(family, arch)
+    vae = json.loads((resources.files("omni") / "models" / "configs" / family.published_vae_config).read_text())
+    return transformer, vae, family.published_scheduler_config(transformer)
+
+
+def arch_settings(arch: str, family, configs, args) -> dict:
+    """The settings of one architecture's run: the command line's, else the architecture's."""
+    transformer_config, vae_config, _ = configs
+    defaults = ARCH_SETTINGS[arch]
+    guidance = defaults["guidance"] if args.guidance is None else args.guidance
+    t5_tokens = defaults["t5_tokens"] if args.text_tokens is None else args.text_tokens
+    if args.tiny:
+        t5_tokens = min(t5_tokens, TINY_T5_TOKENS)
+    vae_factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
+    if args.resolution % (2 * vae_factor):
+        raise SystemExit(
+            f"--resolution {args.resolution}: {family.name} takes multiples of {2 * vae_factor} (the VAE's factor {vae_factor} times 2x2 patches)"
+        )
+    latent_side = args.resolution // vae_factor
+    return {
+        "arch": f"tiny-{family.name}" if args.tiny else arch,
+        "family": family.name,
+        "device": args.device,
+        "dtype": args.dtype,
+        "resolution": args.resolution,
+        "batch": args.batch,
+        "micro_batch": args.micro_batch,
+        "steps": args.steps,
+        "guidance": guidance,
+        "passes": family.forward_passes(guidance),
+        "t5_tokens": t5_tokens,
+        # tokens of the text alone (SD3: CLIP's 77 and T5's; FLUX: T5's)
+        "text_tokens": family.sequence_length(transformer_config, 0, t5_tokens),
+        "image_tokens": (latent_side // 2) ** 2,  # both families cut latents into 2x2 patches
+        "lora_rank": args.lora_rank,
+        "repeats": args.repeats,
+    }
+
+
+def forward_flops(transformer, family, tokens: int, sequences: int) -> float:
+    """Matmul FLOPs of one forward of `sequences` sequences of `tokens` tokens (see the module
+    docstring); `transformer` may be on the meta device."""
+    linear = sum(
+        m.weight.numel() for name, m in transformer.named_modules() if isinstance(m, torch.nn.Linear) and not is_lora_name(name)
+    )
+    blocks = sum(len(transformer.get_submodule(prefix.rstrip("."))) for prefix in family.layer_prefixes)
+    width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+    return sequences * (2 * linear * tokens + 4 * blocks * tokens**2 * width)
+
+
+def update_forwards(cfg_gradient: str, passes: int, checkpointing: bool) -> int:
+    """Forwards of one micro-batch an update runs: each differentiated pass once, its backward
+    once more, its recompute under checkpointing once more; `conditional` runs CFG's
+    unconditional pass once, without gradients."""
+    differentiated = 1 if cfg_gradient == "conditional" else passes
+    return differentiated * (2 + checkpointing) + (passes - differentiated)
+
+
+def cfg_gradients(settings: dict):
+    """The `algorithm.cfg_gradient` values the family takes at this guidance."""
+    return CFG_GRADIENTS if settings["passes"] == 2 else CFG_GRADIENTS[:1]
+
+
+def flops_plan(family, transformer_config: dict, settings: dict) -> dict:
+    """Model FLOPs of one call of each timed phase, and the FLOPs each phase runs in all
+    (warm-up and repeats, checkpointing's recompute included) for the time estimate."""
+    meta = family.meta_transformer(config=transformer_config)
+    tokens = settings["text_tokens"] + settings["image_tokens"]
+    calls = 1 + settings["repeats"]
+    per_call = {"rollout": settings["steps"] * forward_flops(meta, family, tokens, settings["batch"] * settings["passes"])}
+    one = forward_flops(meta, family, tokens, settings["micro_batch"])
+    total = {"rollout": 2 * calls * per_call["rollout"]}  # ours and the plain pipeline
+    for grad in cfg_gradients(settings):
+        per_call[f"update {grad}"] = update_forwards(grad, settings["passes"], False) * one
+        total[f"update {grad}"] = calls * sum(update_forwards(grad, settings["passes"], c) * one for c in (False, True))
+    return {"params": sum(p.numel() for p in meta.parameters()), "per_call": per_call, "total": total}
+
+
+class Budget:
+    """What is left of --time-budget-s: a phase whose estimate (its FLOPs at ASSUMED_MFU of
+    the peak) does not fit is skipped, with a note."""
+
+    def __init__(self, seconds: float, peak_flops: float):
+        self.deadline, self.flops_per_s = time.monotonic() + seconds, peak_flops * ASSUMED_MFU
+
+    def seconds(self, flops: float) -> float:
+        return flops / self.flops_per_s
+
+    def fits(self, what: str, flops: float, notes: list) -> bool:
+        need, left = self.seconds(flops), self.deadline - time.monotonic()
+        if need <= left:
+            return True
+        notes.append(f"{what}: skipped, estimated {need:.0f} s but {max(left, 0):.0f} s left of --time-budget-s")
+        return False
+
+
+def build_pipeline(family, configs, lora_rank: int, device: torch.device, dtype: torch.dtype):
+    """The family's diffusers pipeline around a random transformer (in `dtype`, LoRA attached),
+    a random VAE (fp32) and the scheduler; no text encoders or tokenizers."""
+    import diffusers
+
+    transformer_config, vae_config, scheduler_config = configs
+    torch.manual_seed(0)
+    with torch.device(device):
+        transformer = getattr(diffusers, family.transformer_class).from_config(transformer_config).to(dtype)
+        vae = diffusers.AutoencoderKL.from_config(vae_config).float()
+    transformer.requires_grad_(False)
+    vae.requires_grad_(False)
+    add_lora_adapter(transformer, LoraConfig(rank=lora_rank, alpha=lora_rank, target_modules=list(family.lora_targets)))
+    cls = getattr(diffusers, family.pipeline_class)
+    absent = {name: None for name in inspect.signature(cls.__init__).parameters if name not in ("self", "transformer", "vae", "scheduler")}
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
+    pipe = cls(transformer=transformer, vae=vae, scheduler=scheduler, **absent)
+    pipe.set_progress_bar_config(disable=True)
+    # diffusers' pipelines hand the VAE latents in the transformer's dtype: decode them in fp32, as ours does
+    first = vae.post_quant_conv if vae.post_quant_conv is not None else vae.decoder
+    first.register_forward_pre_hook(lambda module, args: (args[0].float(), *args[1:]))
+    return pipe
+
+
+def random_conditioning(family, transformer_config: dict, settings: dict, device: torch.device, dtype: torch.dtype):
+    """Random conditioning of the family's real shapes: sequence embeddings over the text
+    tokens, pooled embeddings, and the negatives when guidance takes two passes."""
+    generator = torch.Generator().manual_seed(1)
+    sequence = (settings["batch"], settings["text_tokens"], transformer_config["joint_attention_dim"])
+    pooled = (settings["batch"], transformer_config["pooled_projection_dim"])
+    tensors = {}
+    for name in family.conditioning.field_names():
+        if settings["passes"] == 2 or not name.startswith("neg_"):
+            tensors[name] = torch.randn(*(pooled if "pooled" in name else sequence), generator=generator).to(device, dtype)
+    return family.conditioning(**tensors)
 
 
 def synchronize(device: torch.device) -> None:
@@ -49,7 +248,10 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def best_time(fn, device: torch.device, repeats: int) -> float:
+def timed(fn, device: torch.device, repeats: int):
+    """(best seconds of `repeats` calls after a warm-up, peak GiB over all of them or None off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     fn()
     times = []
     for _ in range(repeats):
@@ -58,157 +260,140 @@ def best_time(fn, device: torch.device, repeats: int) -> float:
         fn()
         synchronize(device)
         times.append(time.perf_counter() - start)
-    return min(times)
+    peak = round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+    return min(times), peak
 
 
-def peak_gib(fn, device: torch.device) -> float | None:
-    if device.type != "cuda":
-        fn()
-        return None
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+def bench_rollout(family, pipe, cond, settings: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """Seconds per rollout call of ours and of the plain pipeline, and our peak memory."""
+    steps, resolution, guidance = settings["steps"], settings["resolution"], settings["guidance"]
+    options = SamplingOptions(steps, resolution, guidance, 0.7, settings["t5_tokens"], sde_steps=(0, steps))
+    seeds = list(range(settings["batch"]))
+    embeds = {PIPELINE_ARGS[name]: t for name, t in cond.tensors().items()}
+
+    def ours():
+        sigmas = family.sigmas(pipe, steps, resolution)
+        sample_trajectories(family, pipe, cond, seeds, sigmas, options, device, dtype)
+
+    def plain():
+        generators = [torch.Generator(device).manual_seed(s) for s in seeds]
+        pipe(**embeds, **family.pipeline_guidance(guidance), num_inference_steps=steps, height=resolution, width=resolution,
+             generator=generators, output_type="pt")  # fmt: skip
+
+    ours_s, ours_peak = timed(ours, device, settings["repeats"])
+    plain_s, plain_peak = timed(plain, device, settings["repeats"])
+    return {"ours_s": ours_s, "plain_s": plain_s, "peak_gib": ours_peak, "diffusers_peak_gib": plain_peak}
 
 
-def build_pipeline(args, device: torch.device, dtype: torch.dtype):
-    """The SD3 pipeline around a random real-architecture transformer (LoRA attached) and VAE."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+def bench_update(family, pipe, cond, settings: dict, cfg_gradient: str, device: torch.device, dtype: torch.dtype) -> dict:
+    """Seconds of one micro-batch's forward and backward, and the peak memory, without and
+    with gradient checkpointing."""
+    transformer, micro = pipe.transformer, settings["micro_batch"]
+    generators = [torch.Generator().manual_seed(s) for s in range(micro)]
+    latent = family.initial_latents(pipe, generators, settings["resolution"]).to(device, dtype)
+    sigma = torch.full((micro,), 0.5, device=device)
+    micro_cond = cond.apply(lambda t: t[:micro])
 
-    if args.tiny:
-        family = get_family("sd3")
-        root = family.tiny_path(args.cache_dir, 0)
-        transformer_config = family.transformer_config(root)
-        vae_config = AutoencoderKL.load_config(str(root), subfolder="vae")
-    else:
-        transformer_config = config_json(f"{args.arch}-transformer.json")
-        vae_config = config_json("sd3.5-vae.json")
-    torch.manual_seed(0)
-    with torch.device(device):
-        transformer = SD3Transformer2DModel.from_config(transformer_config).to(dtype)
-        vae = AutoencoderKL.from_config(vae_config).float()
-    transformer.requires_grad_(False)
-    add_lora_adapter(transformer, LoraConfig(rank=args.lora_rank, alpha=args.lora_rank, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
-    none = dict.fromkeys(["text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3"])
-    pipe = StableDiffusion3Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae, **none)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    def update():
+        velocity = family.predict_velocity(transformer, latent, sigma, micro_cond, settings["guidance"], uncond_grad=cfg_gradient == "both")
+        velocity.square().mean().backward()
 
-
-def random_conditioning(pipe, batch: int, text_tokens: int, device: torch.device, dtype: torch.dtype):
-    """SD3's conditioning (77 CLIP + `text_tokens` T5 tokens, pooled CLIP), with negatives."""
-    config = pipe.transformer.config
-    generator = torch.Generator().manual_seed(1)
-
-    def draw(*shape):
-        return torch.randn(*shape, generator=generator).to(device, dtype)
-
-    cls = get_family("sd3").conditioning
-    return cls(
-        draw(batch, 77 + text_tokens, config.joint_attention_dim),
-        draw(batch, config.pooled_projection_dim),
-        draw(batch, 77 + text_tokens, config.joint_attention_dim),
-        draw(batch, config.pooled_projection_dim),
-    )
+    seconds, peaks = {}, {}
+    for checkpointing in (False, True):
+        transformer.enable_gradient_checkpointing() if checkpointing else transformer.disable_gradient_checkpointing()
+        transformer.train(checkpointing)  # diffusers checkpoints only in training mode
+        key = "checkpointing" if checkpointing else "plain"
+        seconds[key], peaks[key] = timed(update, device, settings["repeats"])
+    transformer.disable_gradient_checkpointing()
+    transformer.eval()
+    transformer.zero_grad(set_to_none=True)
+    return {"seconds": seconds, "peak_gib": peaks}
 
 
-def forward_flops(transformer, tokens: int, batch: int) -> float:
-    """Matmul FLOPs of one forward of `batch` sequences of `tokens` tokens."""
-    linear = sum(m.weight.numel() for m in transformer.modules() if isinstance(m, torch.nn.Linear))
-    config = transformer.config
-    hidden = config.num_attention_heads * config.attention_head_dim
-    return batch * (2 * linear * tokens + 4 * config.num_layers * tokens**2 * hidden)
+def rollout_report(measured: dict, settings: dict, model_flops: float, peak_flops: float) -> dict:
+    batch = settings["batch"]
+    return {
+        "ours_images_per_s": figure(batch / measured["ours_s"]),
+        "diffusers_images_per_s": figure(batch / measured["plain_s"]),
+        "ours_over_diffusers": figure(measured["plain_s"] / measured["ours_s"]),
+        "peak_gib": measured["peak_gib"],
+        "diffusers_peak_gib": measured["diffusers_peak_gib"],
+        "mfu": figure(model_flops / measured["ours_s"] / peak_flops),
+    }
 
 
-def main(argv=None) -> None:
+def update_report(measured: dict, settings: dict, model_flops: float, peak_flops: float) -> dict:
+    seconds = measured["seconds"]
+    return {
+        "transitions_per_s": {k: figure(settings["micro_batch"] / s) for k, s in seconds.items()},
+        "peak_gib": measured["peak_gib"],
+        "mfu": {k: figure(model_flops / s / peak_flops) for k, s in seconds.items()},
+    }
+
+
+def bench_arch(arch: str, args, budget: Budget) -> dict:
+    """One architecture's section: its settings, the estimate, and what fitted the budget."""
+    device, dtype, peak = torch.device(args.device), DTYPES[args.dtype], args.peak_tflops * 1e12
+    family = family_of(arch)
+    configs = component_configs(family, arch, args.tiny, args.cache_dir)
+    settings = arch_settings(arch, family, configs, args)
+    plan = flops_plan(family, configs[0], settings)
+    settings["params"] = plan["params"]
+    section = {"settings": settings, "estimated_s": {k: figure(budget.seconds(f)) for k, f in plan["total"].items()}, "skipped": []}
+    if args.estimate or not budget.fits("the architecture (its rollout first)", plan["total"]["rollout"], section["skipped"]):
+        return section
+    pipe = build_pipeline(family, configs, args.lora_rank, device, dtype)
+    cond = random_conditioning(family, configs[0], settings, device, dtype)
+    rollout = bench_rollout(family, pipe, cond, settings, device, dtype)
+    section["rollout"] = rollout_report(rollout, settings, plan["per_call"]["rollout"], peak)
+    section["update"] = {}
+    for grad in cfg_gradients(settings):
+        key = f"update {grad}"
+        if budget.fits(key, plan["total"][key], section["skipped"]):
+            measured = bench_update(family, pipe, cond, settings, grad, device, dtype)
+            section["update"][grad] = update_report(measured, settings, plan["per_call"][key], peak)
+    def collect():
+        collect_lora_params(pipe.transformer, False, True, True, "default", family.layer_prefixes)
+
+    section["lora_collect_seconds"] = figure(timed(collect, device, args.repeats)[0])
+    return section
+
+
+def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", default="sd3.5-medium", choices=["sd3.5-medium", "sd3.5-large"])
-    parser.add_argument("--tiny", action="store_true", help="the tiny SD3 instead (checks the script)")
-    parser.add_argument("--cache-dir", default="~/.cache/omni-recipes")
+    parser.add_argument("--arch", action="append", choices=sorted(ARCH_SETTINGS), help="repeatable; default: " + ", ".join(DEFAULT_ARCHS))
+    parser.add_argument("--tiny", action="store_true", help="each arch's family's tiny model instead (checks the script)")
+    parser.add_argument("--estimate", action="store_true", help="print the settings and the time estimate only")
+    parser.add_argument("--cache-dir", default="~/.cache/omni-recipes", help="where the tiny models are built")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--resolution", type=int, default=512)
     parser.add_argument("--batch", type=int, default=8, help="images per rollout call")
     parser.add_argument("--micro-batch", type=int, default=4, help="transitions per update forward/backward")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--guidance", type=float, default=4.5)
-    parser.add_argument("--text-tokens", type=int, default=256, help="T5 tokens (model.max_sequence_length)")
+    parser.add_argument("--guidance", type=float, help="default: the architecture's (SD3.5-Medium 4.5, FLUX.1-dev 3.5)")
+    parser.add_argument("--text-tokens", type=int, help="T5 tokens (model.max_sequence_length); default: the pipeline's")
     parser.add_argument("--lora-rank", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense bf16 peak (H100/H200: 989)")
+    parser.add_argument("--time-budget-s", type=float, default=420.0, help="skip what would not fit (estimated) in this")
     args = parser.parse_args(argv)
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    if args.tiny:
-        args.text_tokens = min(args.text_tokens, 16)
+    if not 0 < args.micro_batch <= args.batch:
+        parser.error(f"--micro-batch {args.micro_batch}: 1 to --batch ({args.batch}); the update takes its rows from the rollout's")
+    return args
 
-    family = get_family("sd3")
-    pipe = build_pipeline(args, device, dtype)
-    transformer = pipe.transformer
-    cfg = args.guidance > 1
-    cond = random_conditioning(pipe, args.batch, args.text_tokens, device, dtype)
-    options = SamplingOptions(args.steps, args.resolution, args.guidance, 0.7, args.text_tokens, sde_steps=(0, args.steps))
-    sigmas = family.sigmas(pipe, args.steps, args.resolution)
-    seeds = list(range(args.batch))
 
-    @torch.no_grad()
-    def ours():
-        sample_trajectories(family, pipe, cond, seeds, sigmas, options, device, dtype)
-
-    @torch.no_grad()
-    def plain():
-        generators = [torch.Generator(device).manual_seed(s) for s in seeds]
-        negatives = dict(negative_prompt_embeds=cond.neg_embeds, negative_pooled_prompt_embeds=cond.neg_pooled) if cfg else {}
-        pipe(prompt_embeds=cond.embeds, pooled_prompt_embeds=cond.pooled, **negatives, num_inference_steps=args.steps,
-             guidance_scale=args.guidance, height=args.resolution, width=args.resolution, generator=generators,
-             output_type="pt")  # fmt: skip
-
-    ours_s, plain_s = best_time(ours, device, args.repeats), best_time(plain, device, args.repeats)
-    rollout_peak = peak_gib(ours, device)
-
-    latent = family.initial_latents(pipe, [torch.Generator().manual_seed(s) for s in range(args.micro_batch)], args.resolution)
-    latent = latent.to(device, dtype)
-    sigma = torch.full((args.micro_batch,), 0.5, device=device)
-    micro_cond = cond.apply(lambda t: t[: args.micro_batch])
-
-    def update():
-        velocity = family.predict_velocity(transformer, latent, sigma, micro_cond, args.guidance)
-        velocity.square().mean().backward()
-
-    update_s, update_peak = {}, {}
-    for checkpointing in (False, True):
-        transformer.enable_gradient_checkpointing() if checkpointing else transformer.disable_gradient_checkpointing()
-        transformer.train(checkpointing)  # diffusers checkpoints only in training mode
-        key = "checkpointing" if checkpointing else "plain"
-        update_s[key] = best_time(update, device, args.repeats)
-        update_peak[key] = peak_gib(update, device)
-    transformer.eval()
-
-    sync_s = best_time(lambda: collect_lora_params(transformer, False, True, True, "default", family.layer_prefixes), device, args.repeats)
-
-    image_tokens = (args.resolution // pipe.vae_scale_factor // transformer.config.patch_size) ** 2
-    tokens = image_tokens + 77 + args.text_tokens
-    width = 2 if cfg else 1
-    rollout_flops = args.steps * forward_flops(transformer, tokens, args.batch * width)
-    update_flops = 2 * forward_flops(transformer, tokens, args.micro_batch * width)
-    peak = args.peak_tflops * 1e12
-    report = {
-        "settings": {"arch": "tiny-sd3" if args.tiny else args.arch, "device": str(device), "dtype": args.dtype,
-                     "resolution": args.resolution, "batch": args.batch, "micro_batch": args.micro_batch,
-                     "steps": args.steps, "guidance": args.guidance, "text_tokens": 77 + args.text_tokens,
-                     "lora_rank": args.lora_rank, "params": sum(p.numel() for p in transformer.parameters())},  # fmt: skip
-        "rollout": {
-            "ours_images_per_s": round(args.batch / ours_s, 3),
-            "diffusers_images_per_s": round(args.batch / plain_s, 3),
-            "ours_over_diffusers": round(plain_s / ours_s, 3),
-            "peak_gib": rollout_peak,
-            "mfu": round(rollout_flops / ours_s / peak, 4),
-        },
-        "update": {
-            "transitions_per_s": {k: round(args.micro_batch / s, 3) for k, s in update_s.items()},
-            "peak_gib": update_peak,
-            "mfu": {k: round(update_flops * (1.5 if k == "checkpointing" else 1) / s / peak, 4) for k, s in update_s.items()},
-        },
-        "lora_collect_seconds": round(sync_s, 4),
-    }
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    budget = Budget(args.time_budget_s, args.peak_tflops * 1e12)
+    start, report = time.monotonic(), {}
+    for arch in args.arch or DEFAULT_ARCHS:
+        section = bench_arch(arch, args, budget)
+        report[section["settings"]["arch"]] = section
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    report["elapsed_s"] = round(time.monotonic() - start, 1)
     json.dump(report, sys.stdout, indent=1)
     print()
 

@@ -1,5 +1,7 @@
-"""scripts/bench_gpu.py runs end to end (on the tiny SD3 and the CPU here; on a GPU it builds
-the real SD3.5 architectures): every figure it reports is measured and positive."""
+"""scripts/bench_gpu.py: its estimate for the published SD3.5-Medium and FLUX.1-dev (meta
+device), its time budget, and (slow) a run end to end on each family's tiny model in bf16 on
+the CPU here, where every figure it reports is measured and positive. On a GPU it builds the
+real architectures."""
 
 import importlib.util
 import json
@@ -10,16 +12,76 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_gpu.py"
 
 
-@pytest.mark.slow
-def test_bench_gpu_reports_every_figure_on_the_tiny_model(tiny_cache, capsys):
+@pytest.fixture(scope="module")
+def script():
     spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    script.main(["--tiny", "--cache-dir", str(tiny_cache), "--device", "cpu", "--dtype", "float32",
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_published_architecture_of_the_families_has_settings(script):
+    from omni.models import get_family
+
+    assert set(script.ARCH_SETTINGS) == {arch for name in script.FAMILIES for arch in get_family(name).published_configs}
+
+
+def test_estimate_of_the_default_architectures_fits_eight_minutes(script, capsys):
+    """The real shapes: SD3's 77 CLIP + 256 T5 tokens under CFG (two passes, two update
+    variants), FLUX.1-dev's 512 T5 tokens in one pass; 1024 image tokens at 512 px each."""
+    script.main(["--estimate", "--device", "cpu"])
+    report = json.loads(capsys.readouterr().out)
+    sd3, flux = report["sd3.5-medium"], report["flux.1-dev"]
+    assert (sd3["settings"]["text_tokens"], sd3["settings"]["passes"]) == (77 + 256, 2)
+    assert (flux["settings"]["text_tokens"], flux["settings"]["passes"]) == (512, 1)
+    assert sd3["settings"]["image_tokens"] == flux["settings"]["image_tokens"] == (512 // 16) ** 2
+    assert 2.2e9 < sd3["settings"]["params"] < 2.3e9 and 11.8e9 < flux["settings"]["params"] < 12e9
+    assert set(sd3["estimated_s"]) == {"rollout", "update both", "update conditional"} and set(flux["estimated_s"]) == {"rollout", "update both"}
+    # FLUX does more work per image than SD3.5-Medium; the whole timed work leaves minutes for the builds
+    assert flux["estimated_s"]["rollout"] > sd3["estimated_s"]["rollout"] > 0
+    assert sum(sd3["estimated_s"].values()) + sum(flux["estimated_s"].values()) < 240
+    assert "rollout" not in sd3 and "rollout" not in flux  # nothing built or run
+
+
+def test_flops_of_a_forward_and_of_an_update(script):
+    """A forward of FLUX.1-dev costs about 2 x weights per token (attention and what is not a
+    matmul weigh a few percent); an update, its forwards and one more for each differentiated
+    pass's backward (CFG's two passes, or the conditional one and the unconditional without
+    gradients), and one more under checkpointing."""
+    from omni.memory import arch_config
+    from omni.models import get_family
+
+    family = get_family("flux")
+    meta = family.meta_transformer(config=arch_config(family, "flux.1-dev"))
+    params, tokens = sum(p.numel() for p in meta.parameters()), 1024 + 512
+    assert 1.0 < script.forward_flops(meta, family, tokens, 1) / (2 * params * tokens) < 1.1
+    assert script.forward_flops(meta, family, tokens, 3) == 3 * script.forward_flops(meta, family, tokens, 1)
+    assert [script.update_forwards("both", 2, c) for c in (False, True)] == [4, 6]
+    assert [script.update_forwards("conditional", 2, c) for c in (False, True)] == [3, 4]
+    assert [script.update_forwards("both", 1, c) for c in (False, True)] == [2, 3]
+
+
+def test_time_budget_skips_a_phase_that_does_not_fit(script):
+    budget = script.Budget(seconds=10, peak_flops=1e12)
+    notes = []
+    assert budget.fits("update both", 5 * 1e12 * script.ASSUMED_MFU, notes) and notes == []
+    assert not budget.fits("update conditional", 50 * 1e12 * script.ASSUMED_MFU, notes)
+    assert len(notes) == 1 and notes[0].startswith("update conditional: skipped, estimated 50 s") and "--time-budget-s" in notes[0]
+
+
+@pytest.mark.slow
+def test_bench_gpu_reports_every_figure_for_both_families(script, tiny_cache, capsys):
+    script.main(["--tiny", "--cache-dir", str(tiny_cache), "--device", "cpu", "--dtype", "bfloat16",
                  "--resolution", "64", "--steps", "2", "--batch", "2", "--micro-batch", "2", "--repeats", "1"])  # fmt: skip
     report = json.loads(capsys.readouterr().out)
-    rollout, update = report["rollout"], report["update"]
-    assert rollout["ours_images_per_s"] > 0 and rollout["diffusers_images_per_s"] > 0
-    assert rollout["ours_over_diffusers"] == pytest.approx(rollout["ours_images_per_s"] / rollout["diffusers_images_per_s"], rel=0.01)
-    assert set(update["transitions_per_s"]) == {"plain", "checkpointing"} and min(update["transitions_per_s"].values()) > 0
-    assert report["settings"]["params"] > 0 and report["lora_collect_seconds"] > 0
+    assert set(report) == {"tiny-sd3", "tiny-flux", "elapsed_s"}
+    for arch, cfg_gradients in (("tiny-sd3", {"both", "conditional"}), ("tiny-flux", {"both"})):
+        section = report[arch]
+        rollout, updates = section["rollout"], section["update"]
+        assert section["skipped"] == [] and section["settings"]["params"] > 0 and section["lora_collect_seconds"] > 0
+        assert rollout["ours_images_per_s"] > 0 and rollout["diffusers_images_per_s"] > 0 and rollout["mfu"] > 0
+        assert rollout["ours_over_diffusers"] == pytest.approx(rollout["ours_images_per_s"] / rollout["diffusers_images_per_s"], rel=0.01)
+        assert set(updates) == cfg_gradients
+        for update in updates.values():
+            assert set(update["transitions_per_s"]) == set(update["mfu"]) == {"plain", "checkpointing"}
+            assert min(update["transitions_per_s"].values()) > 0 and min(update["mfu"].values()) > 0

@@ -133,6 +133,9 @@ class ModelFamily:
     published_configs: Dict[str, str] = {}
     text_encoder_params: int = 0
     vae_params: int = 0
+    # For benchmarks with random weights: the published checkpoints' VAE config (a file in
+    # omni/models/configs/).
+    published_vae_config: str = ""
 
     # ----------------------------------------------------------------- checkpoints
     def tiny_path(self, cache_dir: str | os.PathLike, seed: int) -> Path:
@@ -175,6 +178,11 @@ class ModelFamily:
     def sequence_length(self, transformer_config: dict, resolution: int, max_sequence_length: int) -> int:
         """Tokens (image and text) a transformer block attends over for one image."""
         raise NotImplementedError(f"model family {self.name} has no memory estimate")
+
+    def published_scheduler_config(self, transformer_config: dict) -> dict:
+        """The scheduler config (FlowMatchEulerDiscreteScheduler's arguments) the published
+        checkpoint of this transformer config ships, for benchmarks with random weights."""
+        raise NotImplementedError(f"model family {self.name} has no published scheduler config")
 
     def forward_passes(self, guidance_scale: float) -> int:
         """Transformer passes per image and velocity (2 under classifier-free guidance)."""

@@ -128,9 +128,14 @@ class FluxFamily(ModelFamily):
     # CLIP ViT-L/14's text model and the T5-XXL encoder; the 16-channel autoencoder.
     text_encoder_params = 123_060_480 + 4_762_310_656
     vae_params = 83_819_683
+    published_vae_config = "flux.1-vae.json"
 
     def tiny_path(self, cache_dir, seed: int) -> Path:
         return tiny_flux_path(cache_dir, seed)
+
+    def published_scheduler_config(self, transformer_config: dict) -> dict:
+        """dev's (dynamic shift) for a transformer with a guidance embedding, else schnell's."""
+        return dict(DEV_SCHEDULER if transformer_config.get("guidance_embeds", False) else SCHNELL_SCHEDULER)
 
     def tiny_transformer_config(self) -> dict:
         return dict(TINY_TRANSFORMER)

@@ -47,6 +47,8 @@ TINY_TRANSFORMER = dict(
     pos_embed_max_size=32,
 )
 TINY_TEXT_LENGTH = 16
+# The SD3.5 checkpoints' scheduler/scheduler_config.json (Medium and Large alike).
+SCHEDULER = dict(shift=3.0)
 
 
 def tiny_transformer_config(**overrides) -> dict:
@@ -70,7 +72,7 @@ def build_tiny_sd3_pipeline(seed: int = 0, clip_length: int = TINY_TEXT_LENGTH, 
     t5_tok = t5_tokenizer(t5_length)
     return StableDiffusion3Pipeline(
         transformer=build_tiny_transformer(seed),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
         vae=autoencoder_kl(seed + 1, TINY_TRANSFORMER["in_channels"], shift_factor=0.0609, scaling_factor=1.5305),
         text_encoder=clip_encoder(clip_tok, seed + 2),
         tokenizer=clip_tok,
@@ -115,9 +117,13 @@ class SD3Family(ModelFamily):
     # CLIP-L/14, OpenCLIP bigG/14 and the T5-XXL encoder; the 16-channel VAE (published configs).
     text_encoder_params = 123_650_560 + 694_659_840 + 4_762_310_656
     vae_params = 83_819_683
+    published_vae_config = "sd3.5-vae.json"
 
     def tiny_path(self, cache_dir, seed: int) -> Path:
         return tiny_sd3_path(cache_dir, seed)
+
+    def published_scheduler_config(self, transformer_config: dict) -> dict:
+        return dict(SCHEDULER)
 
     def tiny_transformer_config(self) -> dict:
         return tiny_transformer_config()

@@ -127,3 +127,23 @@ def test_exported_lora_loads_in_flux_pipeline(tiny_flux_dir, dev, tmp_path):
     assert not torch.allclose(base, loaded, atol=1e-3)
     assert torch.allclose(loaded, expected, atol=1e-5)
     assert FAMILY.load_lora(tmp_path).keys() == lora.keys()
+
+
+def test_published_vae_and_schedulers():
+    """FLUX.1's shipped VAE config is the family's VAE (its weight count; 16 channels, four per
+    packed token of the published transformers); dev's scheduler shifts with the resolution,
+    schnell's does not."""
+    import json
+    from importlib import resources
+
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+
+    from omni.memory import arch_config
+
+    with torch.device("meta"):
+        vae = AutoencoderKL.from_config(json.loads((resources.files("omni") / "models" / "configs" / FAMILY.published_vae_config).read_text()))
+    assert sum(p.numel() for p in vae.parameters()) == FAMILY.vae_params and vae.config.shift_factor == 0.1159
+    dev_config, schnell_config = arch_config(FAMILY, "flux.1-dev"), arch_config(FAMILY, "flux.1-schnell")
+    assert vae.config.latent_channels * 4 == dev_config["in_channels"] == schnell_config["in_channels"]
+    dev, schnell = (FlowMatchEulerDiscreteScheduler.from_config(FAMILY.published_scheduler_config(c)) for c in (dev_config, schnell_config))
+    assert dev.config.use_dynamic_shifting and not schnell.config.use_dynamic_shifting

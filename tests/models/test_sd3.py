@@ -109,3 +109,21 @@ def test_text_lengths_of_real_sd3_can_be_built():
     assert pipe.text_encoder.config.max_position_embeddings == pipe.text_encoder_2.config.max_position_embeddings == 77
     cond = FAMILY.encode_prompts(pipe, ["a red cat"], guidance_scale=4.5, max_sequence_length=128, device="cpu")
     assert cond.embeds.shape[1] == cond.neg_embeds.shape[1] == 77 + 128
+
+
+def test_published_vae_and_scheduler():
+    """SD3.5's shipped VAE config is the family's VAE (its weight count, 16 channels as the
+    published transformers take); the scheduler is SD3.5's (shift 3)."""
+    import json
+    from importlib import resources
+
+    from diffusers import AutoencoderKL
+
+    from omni.memory import arch_config
+
+    with torch.device("meta"):
+        vae = AutoencoderKL.from_config(json.loads((resources.files("omni") / "models" / "configs" / FAMILY.published_vae_config).read_text()))
+    assert sum(p.numel() for p in vae.parameters()) == FAMILY.vae_params and vae.config.scaling_factor == 1.5305
+    for arch in FAMILY.published_configs:
+        assert vae.config.latent_channels == arch_config(FAMILY, arch)["in_channels"]
+        assert FAMILY.published_scheduler_config(arch_config(FAMILY, arch)) == {"shift": 3.0}
