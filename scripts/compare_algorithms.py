@@ -48,6 +48,8 @@ VARIANTS: Dict[str, List[str]] = {
     "flow_grpo ema_decay=0.9": ["trainer.ema_decay=0.9"],
     # every transformer weight trains: a tenth of the LoRA's step size
     "full_finetuning lr=1e-3": ["model.lora=null", "trainer.lr=1e-3"],
+    "flow_grpo cfg=4.5": ["rollout.guidance_scale=4.5"],
+    "flow_grpo cfg=4.5 cfg_gradient=conditional": ["rollout.guidance_scale=4.5", "algorithm.cfg_gradient=conditional"],
 }
 STEP_LINE = re.compile(r"^step (\d+): (.*)$")
 

@@ -260,23 +260,36 @@ class ModelFamily:
         """The flow-matching velocity at noise levels `sigmas` (one per sample), with the
         family's guidance; `latents` and `cond` come in the transformer's dtype and the
         velocity goes back in fp32, so the SDE step and its log-prob stay fp32 around it.
-        `uncond_grad=False`: classifier-free guidance's unconditional pass runs without
-        gradients, on its own (`algorithm.cfg_gradient=conditional`)."""
-        raise NotImplementedError
+        Under classifier-free guidance (`forward_passes` 2) both passes are differentiated,
+        or, `uncond_grad=False`, the conditional one only (`guided_velocity`)."""
+        if self.forward_passes(guidance_scale) == 1:
+            return self.velocity_pass(transformer, latents, sigmas, cond)
+        if not uncond_grad:
+            return self.guided_velocity(transformer, latents, sigmas, cond, guidance_scale)[0]
+        return self.guide(*self.both_passes(transformer, latents, sigmas, cond), guidance_scale)
 
     def velocity_pass(self, transformer, latents, sigmas, cond: Conditioning, negative: bool = False) -> torch.Tensor:
         """One transformer pass on the prompts' conditioning (or, `negative`, on the
         negative prompt's, classifier-free guidance's unconditional pass), fp32."""
-        raise NotImplementedError(f"model family {self.name} has no classifier-free guidance passes")
+        raise NotImplementedError
+
+    def both_passes(self, transformer, latents, sigmas, cond: Conditioning) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(conditional, unconditional) velocities; a family whose passes batch together
+        runs them as one."""
+        return self.velocity_pass(transformer, latents, sigmas, cond), self.velocity_pass(transformer, latents, sigmas, cond, negative=True)
 
     def guide(self, text: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
         """Classifier-free guidance's combination of the two passes' velocities."""
         return uncond + guidance_scale * (text - uncond)
 
     def guided_velocity(self, transformer, latents, sigmas, cond: Conditioning, guidance_scale: float, uncond=None):
-        """(guided velocity, unconditional velocity) from the two passes run apart, the
-        unconditional one without gradients, or taken as given (`uncond`: the rollout's, when
-        the weights have not changed since): `algorithm.cfg_gradient=conditional`."""
+        """(guided velocity, unconditional velocity) for `algorithm.cfg_gradient=conditional`:
+        under gradients, the unconditional pass runs apart without them, or is taken as
+        given (`uncond`: the rollout's, while the weights have not changed since); without
+        gradients (a rollout keeping it) both passes run as `predict_velocity` runs them."""
+        if uncond is None and not torch.is_grad_enabled():
+            text, uncond = self.both_passes(transformer, latents, sigmas, cond)
+            return self.guide(text, uncond, guidance_scale), uncond
         if uncond is None:
             with torch.no_grad():
                 uncond = self.velocity_pass(transformer, latents, sigmas, cond, negative=True)

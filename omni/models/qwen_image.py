@@ -320,17 +320,7 @@ class QwenImageFamily(ModelFamily):
     def initial_latents(self, pipe, generators: Sequence[torch.Generator], resolution: int, num_frames: int = 1) -> torch.Tensor:
         return packed_noise(pipe, generators, resolution)
 
-    def predict_velocity(self, transformer, latents, sigmas, cond: QwenPromptEmbeds, guidance_scale: float, uncond_grad: bool = True):
-        """The velocity at noise levels `sigmas`, with true CFG (two passes, each prompt cut to
-        its batch's longest, as the pipeline runs them; the unconditional one without
-        gradients with `uncond_grad=False`) when guidance_scale > 1."""
-        if guidance_scale > 1 and not uncond_grad:
-            return self.guided_velocity(transformer, latents, sigmas, cond, guidance_scale)[0]
-        text = self.velocity_pass(transformer, latents, sigmas, cond)
-        if guidance_scale <= 1:
-            return text
-        return true_cfg(text, self.velocity_pass(transformer, latents, sigmas, cond, negative=True), guidance_scale)
-
+    # True CFG: two passes, each prompt cut to its batch's longest, as the pipeline runs them.
     def velocity_pass(self, transformer, latents, sigmas, cond: QwenPromptEmbeds, negative: bool = False):
         # the pipeline hands the scheduler's timestep (sigma x 1000, fp32) over divided by 1000
         timestep = sigmas.float() * 1000 / 1000

@@ -156,16 +156,16 @@ class SD3Family(ModelFamily):
         channels, size = pipe.transformer.config.in_channels, resolution // pipe.vae_scale_factor
         return torch.stack([torch.randn(channels, size, size, generator=g) for g in generators])
 
-    def predict_velocity(self, transformer, latents, sigmas, cond: PromptEmbeds, guidance_scale: float, uncond_grad: bool = True):
-        """The transformer's velocity at noise levels `sigmas` (one per sample), in fp32, with
-        classifier-free guidance when guidance_scale > 1 (negatives and positives in one pass,
-        or two with `uncond_grad=False`). `latents` and `cond` come in the transformer's dtype."""
-        # fp32 timesteps (the transformer's sinusoidal embedding computes in fp32 anyway):
-        # sigma rounded to bf16 before x1000 would be off by up to 2 timesteps
-        if guidance_scale <= 1:
-            return self.velocity_pass(transformer, latents, sigmas, cond)
-        if not uncond_grad:
-            return self.guided_velocity(transformer, latents, sigmas, cond, guidance_scale)[0]
+    # Timesteps are fp32 (the transformer's sinusoidal embedding computes in fp32 anyway):
+    # sigma rounded to bf16 before x1000 would be off by up to 2 timesteps.
+    def velocity_pass(self, transformer, latents, sigmas, cond: PromptEmbeds, negative: bool = False):
+        embeds, pooled = (cond.neg_embeds, cond.neg_pooled) if negative else (cond.embeds, cond.pooled)
+        return transformer(
+            hidden_states=latents, timestep=sigmas.float() * 1000, encoder_hidden_states=embeds, pooled_projections=pooled, return_dict=False
+        )[0].float()
+
+    def both_passes(self, transformer, latents, sigmas, cond: PromptEmbeds):
+        """Negatives and positives in one batch, as the pipeline runs them."""
         timesteps = sigmas.float() * 1000
         out = transformer(
             hidden_states=torch.cat([latents, latents]),
@@ -175,13 +175,7 @@ class SD3Family(ModelFamily):
             return_dict=False,
         )[0]
         uncond, text = out.float().chunk(2)
-        return uncond + guidance_scale * (text - uncond)
-
-    def velocity_pass(self, transformer, latents, sigmas, cond: PromptEmbeds, negative: bool = False):
-        embeds, pooled = (cond.neg_embeds, cond.neg_pooled) if negative else (cond.embeds, cond.pooled)
-        return transformer(
-            hidden_states=latents, timestep=sigmas.float() * 1000, encoder_hidden_states=embeds, pooled_projections=pooled, return_dict=False
-        )[0].float()
+        return text, uncond
 
     def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:
         return vae_decode(pipe.vae, latents)

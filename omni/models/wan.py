@@ -238,14 +238,13 @@ class WanFamily(ModelFamily):
         size = resolution // pipe.vae_scale_factor_spatial
         return torch.stack([torch.randn(channels, frames, size, size, generator=g) for g in generators])
 
-    def predict_velocity(self, transformer, latents, sigmas, cond: WanPromptEmbeds, guidance_scale: float, uncond_grad: bool = True):
-        """The velocity at noise levels `sigmas` (fp32 timesteps sigma x 1000, as the pipeline's
-        scheduler gives them), with CFG's two passes run as one batch when guidance_scale > 1
-        (apart, the unconditional one without gradients, with `uncond_grad=False`)."""
-        if guidance_scale <= 1:
-            return self.velocity_pass(transformer, latents, sigmas, cond)
-        if not uncond_grad:
-            return self.guided_velocity(transformer, latents, sigmas, cond, guidance_scale)[0]
+    # Timesteps are sigma x 1000 in fp32, as the pipeline's scheduler gives them.
+    def velocity_pass(self, transformer, latents, sigmas, cond: WanPromptEmbeds, negative: bool = False):
+        embeds = cond.neg_embeds if negative else cond.embeds
+        return transformer(hidden_states=latents, timestep=sigmas.float() * 1000, encoder_hidden_states=embeds, return_dict=False)[0].float()
+
+    def both_passes(self, transformer, latents, sigmas, cond: WanPromptEmbeds):
+        """The prompts and the negative prompt in one batch."""
         timesteps = sigmas.float() * 1000
         out = transformer(
             hidden_states=torch.cat([latents, latents]),
@@ -254,11 +253,7 @@ class WanFamily(ModelFamily):
             return_dict=False,
         )[0]
         text, uncond = out.float().chunk(2)
-        return uncond + guidance_scale * (text - uncond)
-
-    def velocity_pass(self, transformer, latents, sigmas, cond: WanPromptEmbeds, negative: bool = False):
-        embeds = cond.neg_embeds if negative else cond.embeds
-        return transformer(hidden_states=latents, timestep=sigmas.float() * 1000, encoder_hidden_states=embeds, return_dict=False)[0].float()
+        return text, uncond
 
     def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:
         return decode_clips(pipe.vae, latents)

@@ -287,7 +287,7 @@ def gradients_of_stepping_update(worker, batch):
 
 def test_the_first_optimizer_step_takes_the_rollouts_unconditional_velocities(fresh):
     """cfg_gradient=conditional: the rollout keeps each SDE step's unconditional velocity (the
-    policy's own: equal to a pass under the current weights), and the update's first
+    policy's own: equal to a pass under the current weights; the rollout itself unchanged), and the update's first
     optimizer step uses them instead of a pass of its own; its gradients equal those of
     recomputing them (to float rounding: the rollout ran other batch shapes), and the next
     step, after the weights moved, recomputes them."""
@@ -298,6 +298,9 @@ def test_the_first_optimizer_step_takes_the_rollouts_unconditional_velocities(fr
     try:
         opts = replace(training_options(fresh.cfg, 0), guidance_scale=3.0)
         batch = fresh.generate([p for p in PROMPTS for _ in range(2)], step_seeds(0, 0, 4), opts)
+        fresh.engine.keep_uncond = False
+        plain = fresh.generate([p for p in PROMPTS for _ in range(2)], step_seeds(0, 0, 4), opts)
+        assert plain.uncond_velocities is None and torch.equal(plain.log_probs, batch.log_probs)  # the same passes
         start, stop = opts.sde_steps
         assert batch.uncond_velocities.shape == (4, stop - start, *batch.latents.shape[2:])
         with torch.no_grad():
