@@ -2,9 +2,10 @@
 
 `rollout.options.backend=native` runs vLLM-Omni's own transformer of the family, whose
 modules follow diffusers' names except where vLLM-Omni fuses projections into one
-parallel linear layer: SD3's attention `to_q`/`to_k`/`to_v` are the shards q/k/v of
-`to_qkv`, and the context stream's `add_q_proj`/`add_k_proj`/`add_v_proj` those of
-`add_kv_proj`. A weight is loaded by its target parameter's own `weight_loader` (which
+parallel linear layer: in SD3's and FLUX's attention (FLUX's single blocks too) `to_q`/
+`to_k`/`to_v` are the shards q/k/v of `to_qkv`, and the context stream's `add_q_proj`/
+`add_k_proj`/`add_v_proj` those of `add_kv_proj` (FLUX's single blocks keep `proj_mlp`
+and `proj_out` apart, as diffusers does). A weight is loaded by its target parameter's own `weight_loader` (which
 places a shard and, under tensor parallelism, slices it), so we name the target and the
 shard; loading checks that every target parameter (every shard of a fused one) gets
 exactly one tensor.
@@ -16,17 +17,16 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Optional, Set, Tuple
 
-# family -> {plain module leaf: (vLLM-Omni's module leaf, shard)}
-FUSED: Dict[str, Dict[str, Tuple[str, str]]] = {
-    "sd3": {
-        "to_q": ("to_qkv", "q"),
-        "to_k": ("to_qkv", "k"),
-        "to_v": ("to_qkv", "v"),
-        "add_q_proj": ("add_kv_proj", "q"),
-        "add_k_proj": ("add_kv_proj", "k"),
-        "add_v_proj": ("add_kv_proj", "v"),
-    },
+# {plain module leaf: (vLLM-Omni's module leaf, shard)}
+QKV_FUSED: Dict[str, Tuple[str, str]] = {
+    "to_q": ("to_qkv", "q"),
+    "to_k": ("to_qkv", "k"),
+    "to_v": ("to_qkv", "v"),
+    "add_q_proj": ("add_kv_proj", "q"),
+    "add_k_proj": ("add_kv_proj", "k"),
+    "add_v_proj": ("add_kv_proj", "v"),
 }
+FUSED: Dict[str, Dict[str, Tuple[str, str]]] = {"sd3": QKV_FUSED, "flux": QKV_FUSED}
 Target = Tuple[str, Optional[str]]  # (vLLM-Omni's parameter name, shard or None)
 
 

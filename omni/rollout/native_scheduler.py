@@ -12,21 +12,36 @@ the plain flow-matching Euler scheduler it extends.
 Like our sampler it keeps the latents in fp32: the loop gets them back in its own dtype
 (bf16 on a GPU) for the next transformer call, but the step continues from its fp32 copy.
 Image i's noise comes from a generator seeded with seeds[i] that has first drawn the
-initial latent (as the sampler's does), so in fp32 the images equal the in-process
-engine's for the same weights and seeds.
+initial latent (as the sampler's does), in the family's own layout (`noise`: a packed
+family draws its noise unpacked and packs it, as its initial latent), so in fp32 the images
+equal the in-process engine's for the same weights and seeds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from omni.models.packing import pack, unpack
 from omni.rollout.base import SamplingOptions
 from omni.rollout.ode import ODESolver
 from omni.rollout.sde import is_noisy_step, sde_step
+
+Noise = Callable[[Sequence[torch.Generator], torch.Tensor], torch.Tensor]
+
+
+def standard_noise(generators: Sequence[torch.Generator], like: torch.Tensor) -> torch.Tensor:
+    """One standard normal latent of `like`'s shape per generator (an unpacked family's noise)."""
+    return torch.stack([torch.randn(like.shape[1:], generator=g) for g in generators])
+
+
+def packed_noise(generators: Sequence[torch.Generator], like: torch.Tensor) -> torch.Tensor:
+    """A packed family's noise (FLUX, Qwen-Image: (B, tokens, 4C), one token per 2x2 patch):
+    drawn unpacked, (C, 2h, 2w) per image, then packed, as its initial latent is drawn."""
+    return pack(standard_noise(generators, unpack(like)))
 
 
 @dataclass
@@ -39,8 +54,9 @@ class Trajectory:
 class _Rollout:
     """One batch's state between start_rollout and finish_rollout."""
 
-    def __init__(self, seeds: Sequence[int], options: SamplingOptions):
+    def __init__(self, seeds: Sequence[int], options: SamplingOptions, noise: Noise):
         self.options = options
+        self.noise = noise
         self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
         self.index = 0
         self.x: Optional[torch.Tensor] = None
@@ -50,7 +66,7 @@ class _Rollout:
 
     def draw(self, like: torch.Tensor) -> torch.Tensor:
         """One latent of standard normal noise per image, from its own generator."""
-        return torch.stack([torch.randn(like.shape[1:], generator=g) for g in self.generators]).to(like.device)
+        return self.noise(self.generators, like).to(like.device)
 
 
 class FlowGRPOScheduler(FlowMatchEulerDiscreteScheduler):
@@ -58,9 +74,10 @@ class FlowGRPOScheduler(FlowMatchEulerDiscreteScheduler):
 
     _rollout: Optional[_Rollout] = None
 
-    def start_rollout(self, seeds: Sequence[int], options: SamplingOptions) -> None:
-        """The next denoising loop samples `seeds` (one per latent of its batch) with `options`."""
-        self._rollout = _Rollout(seeds, options)
+    def start_rollout(self, seeds: Sequence[int], options: SamplingOptions, noise: Noise = standard_noise) -> None:
+        """The next denoising loop samples `seeds` (one per latent of its batch) with `options`,
+        drawing its noise with `noise(generators, like)`."""
+        self._rollout = _Rollout(seeds, options, noise)
 
     def finish_rollout(self) -> Trajectory:
         run, self._rollout = self._rollout, None
@@ -79,13 +96,13 @@ class FlowGRPOScheduler(FlowMatchEulerDiscreteScheduler):
     def in_rollout(self) -> bool:
         return self._rollout is not None
 
-    def rollout_timesteps(self, batch: int, device) -> Optional[torch.Tensor]:
-        """The fp32 timesteps (sigma x 1000) of the coming transformer call, as the actor
-        computes them; None outside a rollout or past its last step."""
+    def rollout_sigmas(self, batch: int, device) -> Optional[torch.Tensor]:
+        """The fp32 noise level of the coming transformer call, one per latent, as the actor
+        computes it; None outside a rollout or past its last step."""
         run = self._rollout
         if run is None or run.index >= len(self.sigmas) - 1:
             return None
-        return (self.sigmas[run.index].float() * 1000).expand(batch).to(device)
+        return self.sigmas[run.index].float().expand(batch).to(device)
 
     def final_latents(self) -> torch.Tensor:
         """x_0 in fp32, before finish_rollout (to decode)."""

@@ -20,14 +20,19 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-NATIVE_PIPELINE_CLASSES = {"sd3": "omni.rollout.vllm_native.NativeSD3Pipeline"}
+NATIVE_PIPELINE_CLASSES = {
+    "sd3": "omni.rollout.vllm_native.NativeSD3Pipeline",
+    "flux": "omni.rollout.vllm_native.NativeFluxPipeline",
+}
 # vLLM-Omni's pipelines for other families of ours, not yet extended by a native pipeline of ours
-NOT_YET_NATIVE = {"flux": "FluxPipeline", "qwen_image": "QwenImagePipeline", "wan": "WanPipeline"}
+NOT_YET_NATIVE = {"qwen_image": "QwenImagePipeline", "wan": "WanPipeline"}
 # the vLLM-Omni releases whose pipelines the native backend was checked against
 TESTED_VERSIONS = ("0.30",)
 # family -> (vLLM-Omni's pipeline class, the attributes the native backend uses)
+PIPELINE_HOOKS = ("diffuse", "forward", "scheduler_step", "prepare_timesteps", "load_weights", "encode_prompt")
 HOOKS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
-    "sd3": ("vllm_omni.diffusion.models.sd3.pipeline_sd3.StableDiffusion3Pipeline", ("diffuse", "forward", "scheduler_step", "prepare_timesteps", "load_weights")),
+    "sd3": ("vllm_omni.diffusion.models.sd3.pipeline_sd3.StableDiffusion3Pipeline", PIPELINE_HOOKS),
+    "flux": ("vllm_omni.diffusion.models.flux.pipeline_flux.FluxPipeline", PIPELINE_HOOKS),
 }
 ENGINE_HOOKS = (
     ("vllm_omni.diffusion.worker.diffusion_worker.CustomPipelineWorkerExtension", ()),

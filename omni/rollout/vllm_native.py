@@ -1,22 +1,30 @@
 """`rollout.options.backend=native`: vLLM-Omni's own pipeline of the family, with our SDE step.
 
 The `vllm` backend runs a diffusers pipeline of ours inside vLLM-Omni; this backend runs
-vLLM-Omni's own (for SD3: its `StableDiffusion3Pipeline`, with its fused-projection
-transformer, attention backends, text encoders and VAE), so rollouts get vLLM-Omni's
-kernels. Three hooks, all through interfaces vLLM-Omni's pipeline already has, none a copy
-of its code:
+vLLM-Omni's own (its `StableDiffusion3Pipeline` for SD3, its `FluxPipeline` for FLUX.1:
+their fused-projection transformers, attention backends, text encoders and VAE), so
+rollouts get vLLM-Omni's kernels. `NativeRollout` adds three hooks to such a pipeline, all
+through interfaces vLLM-Omni's pipelines already have, none a copy of their code:
 
 - the scheduler: its denoising loop steps `self.scheduler`; ours (`FlowGRPOScheduler`)
   takes the Flow-GRPO SDE / ODE steps, records the fp32 trajectory and per-step log-probs;
 - the transformer's timestep: a forward pre-hook gives it the fp32 timestep of the
-  scheduler's step (vLLM-Omni casts it to the model's dtype; in bf16 that rounds t = 1000
-  sigma by up to 2, and the actor, which re-scores with fp32 timesteps, would see another
-  velocity);
+  scheduler's step, in the unit the family's transformer takes (SD3: 1000 sigma; FLUX:
+  sigma, which its transformer multiplies by 1000 itself). vLLM-Omni's loop casts the
+  timestep to the model's dtype first (FLUX's also divides the cast 1000 sigma by 1000); in
+  bf16 that rounds t = 1000 sigma by up to 2, and the actor, which re-scores with fp32
+  timesteps, would see another velocity;
 - `diffuse` and `forward`, extended (they call vLLM-Omni's): `diffuse` notes the text
   conditioning it is given (the actor re-scores with it), `forward` starts and finishes
   the scheduler's rollout around vLLM-Omni's forward, decodes the fp32 final latent and
   answers with the same `DiffusionOutput` fields as our `vllm` backend
   (`omni.rollout.vllm_protocol.output_fields`), so the driver gets the same RolloutBatch.
+  FLUX's latents stay packed, as our FLUX family keeps them (vLLM-Omni packs them the same
+  way, and our scheduler draws its noise unpacked and packs it, as the in-process sampler).
+
+FLUX.1-dev's distilled guidance needs nothing of ours: vLLM-Omni's loop gives the
+transformer the same fp32 guidance vector (`guidance_scale` per image) the actor does, and
+no negative prompt means no true CFG pass.
 
 Weights: base weights come as plain state-dict names and load through
 `omni.rollout.native_names` into vLLM-Omni's parameters with their own weight loaders;
@@ -29,26 +37,36 @@ Imported only in the engine env (it imports vLLM-Omni).
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from vllm_omni.diffusion.data import DiffusionOutput
+from vllm_omni.diffusion.models.flux.pipeline_flux import FluxPipeline
 from vllm_omni.diffusion.models.sd3.pipeline_sd3 import StableDiffusion3Pipeline
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
 from omni.models import get_family
 from omni.rollout.base import RolloutBatch, SamplingOptions
-from omni.rollout.native_names import check_complete, native_names
-from omni.rollout.native_scheduler import FlowGRPOScheduler
+from omni.rollout.native_names import FUSED, check_complete, native_names
+from omni.rollout.native_scheduler import FlowGRPOScheduler, Noise, packed_noise, standard_noise
 from omni.rollout.transport import read_weights
 from omni.rollout.vllm_protocol import group_by_options, output_fields, prompt_text
+
+TRANSFORMER_PREFIX = "transformer."
 
 
 def native_targets(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """vLLM-Omni's base tensors by name: its parameters (a LoRA wrapper's `.base_layer`
-    dropped, LoRA buffers left out) and persistent buffers (SD3's positional table)."""
+    dropped, LoRA buffers left out) and persistent buffers (SD3's positional table); a
+    tensor registered under two names counts once, under the first."""
     state = module.state_dict(keep_vars=True)
-    return {name.replace(".base_layer", ""): t for name, t in state.items() if "lora_" not in name}
+    seen, targets = set(), {}
+    for name, tensor in state.items():
+        if "lora_" in name or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        targets[name.replace(".base_layer", "")] = tensor
+    return targets
 
 
 @torch.no_grad()
@@ -85,23 +103,38 @@ def keep_linear_weights(module: torch.nn.Module) -> None:
             layer.skip_weight_relayout = True
 
 
-class NativeSD3Pipeline(StableDiffusion3Pipeline):
-    """vLLM-Omni's SD3 pipeline sampling Flow-GRPO rollouts. `custom_pipeline_args`: "family"
-    ("sd3") and "load_base" (False: no checkpoint weights for the transformer; the first
-    sync fills it)."""
+def declare_fused_projections(transformer: torch.nn.Module, family: str) -> None:
+    """vLLM-Omni's LoRA manager applies a to_q/to_k/to_v adapter to the fused `to_qkv` by the
+    transformer's `stacked_params_mapping`; SD3's `load_weights` sets it, FLUX's keeps it
+    local, so a transformer without one gets the family's fusion rules (`native_names`)."""
+    if getattr(transformer, "stacked_params_mapping", None) is None:
+        rules = FUSED[family].items()
+        transformer.stacked_params_mapping = [(f".{fused}", f".{plain}", shard) for plain, (fused, shard) in rules]
 
-    family_name = "sd3"
+
+class NativeRollout:
+    """Flow-GRPO rollouts from the vLLM-Omni pipeline this is mixed into (before it).
+    `custom_pipeline_args`: "family" and "load_base" (False: no checkpoint weights for the
+    transformer, whose first sync fills it; the text encoders still load theirs).
+
+    A family's class names: `family_name`; `timestep_scale`, the transformer's timestep per
+    unit of sigma; `cond_arguments`, the arguments of the pipeline's `diffuse` that make the
+    family's conditioning, in its fields' order; `noise`, how its noise is drawn."""
+
+    family_name: str = ""
+    timestep_scale: float = 1000.0
+    cond_arguments: Tuple[str, ...] = ()
+    noise: Noise = staticmethod(standard_noise)
 
     def __init__(self, *, od_config, prefix: str = ""):
         super().__init__(od_config=od_config, prefix=prefix)
         args = od_config.custom_pipeline_args or {}
         self.family = get_family(self.family_name)
         self.has_base = bool(args.get("load_base", True))
-        if not self.has_base:
-            self.weights_sources = []  # vLLM-Omni's loader reads no transformer weights
-        # declares its fused projections (stacked_params_mapping), which vLLM-Omni's LoRA
-        # manager reads to apply to_q/to_k/to_v adapters to to_qkv
-        self.transformer.load_weights(())
+        if not self.has_base:  # vLLM-Omni's loader reads no transformer weights
+            self.weights_sources = [s for s in self.weights_sources if s.prefix != TRANSFORMER_PREFIX]
+        self.transformer.load_weights(())  # SD3's declares its fused projections here
+        declare_fused_projections(self.transformer, self.family_name)
         if self.device.type == "cpu":
             keep_linear_weights(self.transformer)
         self.scheduler = FlowGRPOScheduler.from_config(self.scheduler.config)
@@ -112,9 +145,11 @@ class NativeSD3Pipeline(StableDiffusion3Pipeline):
     def load_weights(self, weights: Iterable) -> Optional[set]:
         if self.has_base:
             return super().load_weights(weights)
-        for name, _ in weights:
-            raise ValueError(f"started without base weights (load_base false), yet the loader sent {name}")
-        return None  # nothing loaded on purpose: skips the loader's completeness check
+        if not self.weights_sources:
+            for name, _ in weights:
+                raise ValueError(f"started without base weights (load_base false), yet the loader sent {name}")
+            return None  # nothing loaded on purpose: skips the loader's completeness check
+        return super().load_weights(_refuse_transformer(weights))
 
     def sync_weights_from(self, path: str) -> Dict[str, Any]:
         """Base weights from a directory of `omni.rollout.transport` (LoRA adapters take
@@ -129,16 +164,14 @@ class NativeSD3Pipeline(StableDiffusion3Pipeline):
     # ----------------------------------------------------------------- hooks
     def _fp32_timesteps(self, module, args, kwargs):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
-        timesteps = self.scheduler.rollout_timesteps(hidden.shape[0], hidden.device) if hidden is not None else None
-        if timesteps is None or "timestep" not in kwargs:
+        sigmas = self.scheduler.rollout_sigmas(hidden.shape[0], hidden.device) if hidden is not None else None
+        if sigmas is None or "timestep" not in kwargs:
             return None
-        return args, {**kwargs, "timestep": timesteps}
+        return args, {**kwargs, "timestep": sigmas * self.timestep_scale}
 
     def diffuse(self, *args, **kwargs):
         given = inspect.signature(super().diffuse).bind(*args, **kwargs).arguments
-        self._cond = self.family.conditioning(
-            given["prompt_embeds"], given["pooled_prompt_embeds"], given.get("negative_prompt_embeds"), given.get("negative_pooled_prompt_embeds")
-        )
+        self._cond = self.family.conditioning(*(given.get(name) for name in self.cond_arguments))
         return super().diffuse(*args, **kwargs)
 
     # ----------------------------------------------------------------- sampling
@@ -157,7 +190,7 @@ class NativeSD3Pipeline(StableDiffusion3Pipeline):
 
     @torch.no_grad()
     def _rollout(self, req, prompts: List[str], seeds: List[int], options: SamplingOptions) -> RolloutBatch:
-        self.scheduler.start_rollout(seeds, options)
+        self.scheduler.start_rollout(seeds, options, self.noise)
         try:
             super().forward(req)
             final = self.scheduler.final_latents()
@@ -169,6 +202,18 @@ class NativeSD3Pipeline(StableDiffusion3Pipeline):
         return RolloutBatch(prompts, images, trajectory.latents, trajectory.log_probs, trajectory.sigmas, cond, options)
 
     # ----------------------------------------------------------------- encoding (DPO)
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        inversion_steps = (self.od_config.custom_pipeline_args or {}).get("vae_inversion_steps", 0)
+        return self.family.encode_images(self, images, self.vae.device, inversion_steps)
+
+
+class NativeSD3Pipeline(NativeRollout, StableDiffusion3Pipeline):
+    """vLLM-Omni's SD3 pipeline sampling Flow-GRPO rollouts."""
+
+    family_name = "sd3"
+    timestep_scale = 1000.0  # SD3's transformer takes t = 1000 sigma
+    cond_arguments = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds")
+
     @torch.no_grad()
     def encode_prompts(self, prompts, guidance_scale: float, max_sequence_length: int):
         """The family's conditioning from vLLM-Omni's text encoders (negatives: the empty prompt)."""
@@ -178,9 +223,30 @@ class NativeSD3Pipeline(StableDiffusion3Pipeline):
             negatives = self.encode_prompt(prompt=[""] * len(prompts), prompt_2=None, prompt_3=None, max_sequence_length=max_sequence_length)
         return self.family.conditioning(embeds, pooled, *negatives).apply(lambda t: t.cpu())
 
-    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        inversion_steps = (self.od_config.custom_pipeline_args or {}).get("vae_inversion_steps", 0)
-        return self.family.encode_images(self, images, self.vae.device, inversion_steps)
+
+class NativeFluxPipeline(NativeRollout, FluxPipeline):
+    """vLLM-Omni's FLUX.1 pipeline (dev's distilled guidance, or schnell's none) sampling
+    Flow-GRPO rollouts."""
+
+    family_name = "flux"
+    timestep_scale = 1.0  # FLUX's transformer takes sigma (and multiplies it by 1000 itself)
+    cond_arguments = ("prompt_embeds", "pooled_prompt_embeds")
+    noise = staticmethod(packed_noise)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts, guidance_scale: float, max_sequence_length: int):
+        """T5's sequence and CLIP's pooled embedding from vLLM-Omni's encoders (FLUX has no negative prompt)."""
+        embeds, pooled, _ = self.encode_prompt(prompt=list(prompts), prompt_2=None, max_sequence_length=max_sequence_length)
+        return self.family.conditioning(embeds, pooled).apply(lambda t: t.cpu())
+
+
+def _refuse_transformer(weights: Iterable) -> Iterable:
+    """The loader's weights (text encoders), failing on a transformer weight: without a base,
+    the first sync must fill the transformer, not the checkpoint."""
+    for name, tensor in weights:
+        if name.startswith(TRANSFORMER_PREFIX):
+            raise ValueError(f"started without base weights (load_base false), yet the loader sent {name}")
+        yield name, tensor
 
 
 def _seed(params) -> int:

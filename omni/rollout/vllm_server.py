@@ -175,7 +175,15 @@ class VllmOmniBackend:
         return collate_results(prompts, self._wait(self._generate(prompts, seeds, options)), options, self.conditioning)
 
     def sync_weights(self, path: str) -> Dict[str, Any]:
-        return self._rpc("omni_sync_weights", path)
+        return self._sync("omni_sync_weights", path)
+
+    def _sync(self, method: str, path: str, *args) -> Dict[str, Any]:
+        """A weight sync's RPC; a worker that failed it (vLLM-Omni logs its traceback and
+        answers without our fields) is an error naming the method and the directory."""
+        answer = self._rpc(method, *args, path)
+        if not isinstance(answer, dict) or "has_base" not in answer:
+            raise RuntimeError(f"vLLM-Omni's worker failed {method} on {path} (it answered {answer!r}); its traceback is in the engine log")
+        return answer
 
     def encode_prompts(self, prompts, guidance_scale, max_sequence_length) -> Conditioning:
         return self.conditioning(**self._rpc("omni_encode_prompts", list(prompts), guidance_scale, max_sequence_length))
@@ -206,9 +214,9 @@ class NativeBackend(VllmOmniBackend):
         from omni.rollout.transport import sync_kind
 
         if sync_kind(path) != "lora":
-            return self._rpc("omni_sync_weights", path)
+            return self._sync("omni_sync_weights", path)
         adapter = (os.path.basename(path), (self.lora[1] + 1) if self.lora else 1, path)
-        answer = self._rpc("omni_add_lora", *adapter)
+        answer = self._sync("omni_add_lora", path, *adapter[:2])
         self.lora = adapter
         return answer
 

@@ -1,5 +1,5 @@
 """Helpers shared by the rollout-engine tests: sampling options, random LoRA weights and
-the pipeline vLLM-Omni would build, all on the tiny SD3."""
+the pipeline vLLM-Omni would build, on the tiny SD3 (the native backend's also on the tiny FLUX)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def random_lora(transformer, seed: int = 0, lora: LoraConfig = LORA):
     return {name: torch.randn(p.shape, generator=generator) * 0.2 for name, p in lora_tensors(probe, lora.adapter_name).items()}
 
 
-def actor_log_probs(transformer, cond, opts: SamplingOptions, latents, sigmas) -> torch.Tensor:
+def actor_log_probs(transformer, cond, opts: SamplingOptions, latents, sigmas, family=FAMILY) -> torch.Tensor:
     """Each SDE step's log-prob re-scored the way the actor does (the family's velocity,
     omni.rollout.sde's step): (B, T), 0 outside the window."""
     from omni.rollout.sde import sde_step
@@ -49,7 +49,7 @@ def actor_log_probs(transformer, cond, opts: SamplingOptions, latents, sigmas) -
     with torch.no_grad():
         for i in range(start, stop):
             x = latents[:, i]
-            velocity = FAMILY.predict_velocity(transformer, x, sigmas[i].expand(len(x)), cond, opts.guidance_scale)
+            velocity = family.predict_velocity(transformer, x, sigmas[i].expand(len(x)), cond, opts.guidance_scale)
             _, out[:, i], _, _ = sde_step(
                 velocity, x, sigmas[i], sigmas[i + 1], float(sigmas[1]), opts.noise_level, next_sample=latents[:, i + 1], sde_type=opts.sde_type
             )
@@ -66,3 +66,12 @@ def diffusers_engine(tiny_sd3_dir):
     from omni.rollout.diffusers_engine import load_diffusers_engine
 
     return load_diffusers_engine(FAMILY, tiny_sd3_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=True)
+
+
+@pytest.fixture
+def flux_engine(tiny_flux_dir):
+    """The in-process engine on the tiny FLUX (dev-like: distilled guidance, packed latents)."""
+    from omni.models.flux import FAMILY as FLUX
+    from omni.rollout.diffusers_engine import load_diffusers_engine
+
+    return load_diffusers_engine(FLUX, tiny_flux_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=True)

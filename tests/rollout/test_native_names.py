@@ -1,14 +1,16 @@
 """Base-weight names for the native backend: collect_lora_params' plain names of the tiny
-SD3 -> vLLM-Omni's parameters and shards, each filled exactly once. (Against vLLM-Omni's
-real transformer: tests/rollout/test_vllm_native_contract.py, in the engine env.)"""
+SD3 and FLUX -> vLLM-Omni's parameters and shards, each filled exactly once. (Against
+vLLM-Omni's real transformers: tests/rollout/test_vllm_native_contract.py, in the engine env.)"""
 
 import pytest
 
+from omni.models.flux import FAMILY as FLUX
 from omni.models.sd3 import build_tiny_transformer
 from omni.rollout.native_names import check_complete, expected_targets, native_name, native_names
 from omni.weights import plain_base_names
 
 PLAIN = list(plain_base_names(build_tiny_transformer(0)))
+FLUX_PLAIN = list(plain_base_names(FLUX.meta_transformer()))  # names only: built on the meta device
 
 
 def test_every_plain_name_has_its_own_target():
@@ -19,6 +21,20 @@ def test_every_plain_name_has_its_own_target():
     assert len(fused) == 2 * 2 * 6
     assert native_name("sd3", "transformer_blocks.1.attn.add_k_proj.bias") == ("transformer_blocks.1.attn.add_kv_proj.bias", "k")
     assert native_name("sd3", "transformer_blocks.0.attn.to_out.0.weight") == ("transformer_blocks.0.attn.to_out.0.weight", None)
+
+
+def test_flux_double_and_single_blocks_fuse_their_projections():
+    """FLUX's double block fuses both streams' q/k/v, its single block (no context stream,
+    no to_out) its own q/k/v; proj_mlp and proj_out stay apart."""
+    targets = native_names("flux", FLUX_PLAIN)
+    assert len(set(targets.values())) == len(FLUX_PLAIN)
+    fused = {t for t in targets.values() if t[1] is not None}
+    # one double block (6 projections) and one single block (3), weight and bias each
+    assert len(fused) == 2 * (6 + 3)
+    assert native_name("flux", "single_transformer_blocks.0.attn.to_v.weight") == ("single_transformer_blocks.0.attn.to_qkv.weight", "v")
+    assert native_name("flux", "single_transformer_blocks.0.proj_mlp.weight") == ("single_transformer_blocks.0.proj_mlp.weight", None)
+    fused_names = sorted({target for target, _ in targets.values()})
+    check_complete("flux", targets.values(), fused_names)
 
 
 def test_the_fused_names_complete_vllm_omnis_parameters():

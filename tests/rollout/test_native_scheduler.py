@@ -1,11 +1,13 @@
 """The SDE scheduler of `rollout.options.backend=native`, set on a pipeline whose denoising
-loop is not ours (diffusers' own StableDiffusion3Pipeline here; vLLM-Omni's in the engine):
-it samples what the in-process engine samples, and the actor re-scores its log-probs."""
+loop is not ours (diffusers' own StableDiffusion3Pipeline and FluxPipeline here; vLLM-Omni's
+in the engine): it samples what the in-process engine samples, and the actor re-scores its
+log-probs."""
 
 import pytest
 import torch
 
-from omni.rollout.native_scheduler import FlowGRPOScheduler
+from omni.models.flux import FAMILY as FLUX
+from omni.rollout.native_scheduler import FlowGRPOScheduler, packed_noise, standard_noise
 from tests.rollout.conftest import actor_log_probs, options
 
 PROMPTS = ["a red cat", "a blue dog", "a green tree"]
@@ -13,17 +15,17 @@ SEEDS = [5, 6, 7]
 CASES = {"flow_grpo": options(), "cfg_window": options(guidance_scale=3.0, sde_steps=(1, 3)), "cps": options(sde_type="cps", sde_steps=(0, 3))}
 
 
-def sample_with_pipeline_loop(engine, opts):
+def sample_with_pipeline_loop(engine, opts, noise=standard_noise, **call):
     """diffusers' own denoising loop, our scheduler doing the steps."""
     pipe = engine.pipe
     original = pipe.scheduler
     pipe.scheduler = FlowGRPOScheduler.from_config(original.config)
     try:
-        pipe.scheduler.start_rollout(SEEDS, opts)
+        pipe.scheduler.start_rollout(SEEDS, opts, noise)
         pipe(
-            prompt=PROMPTS, negative_prompt="", num_inference_steps=opts.num_steps, guidance_scale=opts.guidance_scale,
+            prompt=PROMPTS, num_inference_steps=opts.num_steps, guidance_scale=opts.guidance_scale,
             height=opts.resolution, width=opts.resolution, max_sequence_length=opts.max_sequence_length,
-            generator=[torch.Generator().manual_seed(s) for s in SEEDS], output_type="latent",
+            generator=[torch.Generator().manual_seed(s) for s in SEEDS], output_type="latent", **call,
         )
         return pipe.scheduler.finish_rollout()
     finally:
@@ -34,7 +36,7 @@ def sample_with_pipeline_loop(engine, opts):
 def test_scheduler_in_a_foreign_loop_samples_what_the_engine_samples(case, diffusers_engine):
     opts = CASES[case]
     expected = diffusers_engine.generate(PROMPTS, SEEDS, opts)
-    got = sample_with_pipeline_loop(diffusers_engine, opts)
+    got = sample_with_pipeline_loop(diffusers_engine, opts, negative_prompt="")
     assert torch.equal(got.sigmas, expected.sigmas)
     assert (got.latents - expected.latents).abs().max() <= 1e-5
     assert (got.log_probs - expected.log_probs).abs().max() <= 1e-5
@@ -42,6 +44,23 @@ def test_scheduler_in_a_foreign_loop_samples_what_the_engine_samples(case, diffu
     assert torch.all(got.log_probs[:, start:stop] != 0) and torch.all(got.log_probs[:, :start] == 0)
     rescored = actor_log_probs(diffusers_engine.transformer, expected.cond, opts, got.latents, got.sigmas)
     assert (rescored - got.log_probs).abs().max() <= 1e-5
+
+
+def test_flux_packed_latents_and_distilled_guidance(flux_engine):
+    """FLUX.1-dev: packed latents, the resolution-shifted schedule, the guidance embedding;
+    the scheduler's noise drawn unpacked and packed, as the engine's is (a draw in the packed
+    layout is other noise: the negative control)."""
+    opts = options(guidance_scale=3.5, sde_steps=(1, 3))
+    expected = flux_engine.generate(PROMPTS, SEEDS, opts)
+    got = sample_with_pipeline_loop(flux_engine, opts, packed_noise)
+    assert got.latents.shape == expected.latents.shape and got.latents.ndim == 4  # (B, T + 1, tokens, 64)
+    assert torch.equal(got.sigmas, expected.sigmas)
+    assert (got.latents - expected.latents).abs().max() <= 1e-5
+    assert (got.log_probs - expected.log_probs).abs().max() <= 1e-5
+    rescored = actor_log_probs(flux_engine.transformer, expected.cond, opts, got.latents, got.sigmas, FLUX)
+    assert (rescored - got.log_probs).abs().max() <= 1e-5
+    unpacked_order = sample_with_pipeline_loop(flux_engine, opts, standard_noise)
+    assert (unpacked_order.latents[:, 2:] - expected.latents[:, 2:]).abs().max() > 1e-2
 
 
 def test_outside_a_rollout_it_is_the_euler_scheduler(diffusers_engine):

