@@ -2,7 +2,7 @@
 reward, update and weight sync of 4 prompts x 8 images) with 1 in-process worker and with a
 Ray group of 2; prints one JSON object.
 
-    python scripts/bench_workers.py [--workers 1 2] [--steps 3] [--fsdp-version 2 0] [--threads 1]
+    python scripts/bench_workers.py [--workers 2] [--steps 8] [--fsdp-version 0 2] [--threads 1]
 
 Groups run once per `--fsdp-version` (2: FSDP2 shards; 0: a replicated base, the LoRA's
 gradients averaged, what `model.fsdp.version=null` picks for a LoRA that fits). Each
@@ -12,8 +12,11 @@ not hide), update (as the driver waits for it; `worker_seconds` inside the worke
 in-process worker and each Ray worker), so 1 worker x 2 threads and 2 workers x 1 thread
 use the same cores.
 
-Each setting trains `steps` steps after a warm-up step; the median step time counts. Set-up
-time (model loading, and for the group Ray's start and its workers') is reported apart.
+The one-worker trainer and each group in turn are set up side by side, then take turns step
+by step (so a machine's changing load falls on both alike), `steps` steps each after a
+warm-up step; the median step time counts and each group's speedup is over the one-worker
+steps of its turns. Set-up time (model loading, and for a group Ray's start and its
+workers') is reported apart.
 """
 
 from __future__ import annotations
@@ -47,22 +50,13 @@ def make_trainer(out_dir: str, n_workers: int, fsdp_version: int) -> Trainer:
     return Trainer(validate(cfg))
 
 
-def bench(n_workers: int, steps: int, fsdp_version: int = 2) -> dict:
-    with tempfile.TemporaryDirectory() as out_dir:
-        trainer = make_trainer(out_dir, n_workers, fsdp_version)
-        start = time.perf_counter()
-        trainer.setup()
-        setup_seconds = time.perf_counter() - start
-        try:
-            trainer.algorithm.step(0)  # warm-up
-            times, parts = [], []
-            for step in range(1, steps + 1):
-                start = time.perf_counter()
-                metrics = trainer.algorithm.step(step)
-                times.append(time.perf_counter() - start)
-                parts.append({k: v for k, v in metrics.items() if k.startswith("time/") or k in WORKER_TIMES})
-        finally:
-            trainer.cleanup()
+def timed_step(trainer: Trainer, step: int) -> tuple:
+    start = time.perf_counter()
+    metrics = trainer.algorithm.step(step)
+    return time.perf_counter() - start, {k: v for k, v in metrics.items() if k.startswith("time/") or k in WORKER_TIMES}
+
+
+def summary(trainer: Trainer, times: list, parts: list, setup_seconds: float) -> dict:
     seconds = statistics.median(times)
     batch = trainer.cfg.trainer.batch_size
     median_parts = {k.split("/", 1)[1]: round(statistics.median(p[k] for p in parts), 3) for k in parts[0]}
@@ -75,23 +69,68 @@ def bench(n_workers: int, steps: int, fsdp_version: int = 2) -> dict:
     }
 
 
+def set_up(out_dir: str, name: str, n_workers: int, version: int) -> tuple:
+    trainer = make_trainer(str(Path(out_dir) / name), n_workers, version)
+    start = time.perf_counter()
+    trainer.setup()
+    setup_seconds = time.perf_counter() - start
+    trainer.algorithm.step(0)  # warm-up
+    return trainer, setup_seconds
+
+
+def alternate(trainers: dict, steps: int) -> dict:
+    """name -> (step seconds, step parts) of `steps` steps of each trainer, taken in turn."""
+    timed = {name: ([], []) for name in trainers}
+    for step in range(1, steps + 1):
+        for name, trainer in trainers.items():
+            seconds, parts = timed_step(trainer, step)
+            timed[name][0].append(seconds)
+            timed[name][1].append(parts)
+    return timed
+
+
+def bench(n_workers: list, versions: list, steps: int) -> dict:
+    """One worker against each group: the one-worker trainer and one group (Ray reserves the
+    machine's cores for it, so one group at a time) set up side by side, their steps taken in
+    turn after a warm-up step of each, so a machine's changing load falls on both alike; the
+    median step of each counts, and each group's speedup is over the one-worker steps taken
+    in its turns."""
+    results = {}
+    with tempfile.TemporaryDirectory() as out_dir:
+        one, one_setup = set_up(out_dir, "workers_1", 1, 0)
+        try:
+            for n in [n for n in n_workers if n > 1]:
+                for version in versions:
+                    name = f"workers_{n}_fsdp{version}"
+                    group, group_setup = set_up(out_dir, name, n, version)
+                    try:
+                        timed = alternate({"workers_1": one, name: group}, steps)
+                    finally:
+                        group.cleanup()
+                    results[f"workers_1 (turns with {name})"] = summary(one, *timed["workers_1"], one_setup)
+                    results[name] = summary(group, *timed[name], group_setup)
+                    results[name]["speedup_over_one_worker"] = round(
+                        statistics.median(timed["workers_1"][0]) / statistics.median(timed[name][0]), 2
+                    )
+        finally:
+            one.cleanup()
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--fsdp-version", type=int, nargs="+", default=[2, 0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[2], help="group sizes, each against one worker")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--fsdp-version", type=int, nargs="+", default=[0, 2])
     parser.add_argument("--threads", type=int, help="torch threads per worker process (default: torch's)")
     args = parser.parse_args()
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the Ray workers
         torch.set_num_threads(args.threads)
-    results = {}
-    for n in args.workers:
-        for version in args.fsdp_version if n > 1 else [0]:
-            results[f"workers_{n}" + (f"_fsdp{version}" if n > 1 else "")] = bench(n, args.steps, version)
-    first = next(iter(results.values()))["samples_per_second"]
+    results = bench(args.workers, args.fsdp_version, args.steps)
     settings = {"cpu_cores": os.cpu_count(), "threads_per_worker": args.threads or torch.get_num_threads(), "steps": args.steps}
-    report = {**settings, **results, "speedup_over_first": {k: round(v["samples_per_second"] / first, 2) for k, v in results.items()}}
+    speedups = {k: v["speedup_over_one_worker"] for k, v in results.items() if "speedup_over_one_worker" in v}
+    report = {**settings, **results, "speedup_over_one_worker": speedups}
     print(json.dumps(report, indent=2))
 
 
