@@ -2,7 +2,9 @@
 (`vllm`: our diffusers pipeline inside vLLM-Omni; `native`: vLLM-Omni's own SD3 pipeline with
 our SDE scheduler), against our in-process diffusers engine (rollout=diffusers), on an
 SD3.5-Medium-sized transformer with random weights. Prints one JSON object: images/s of
-each, sync seconds and the largest log-prob difference of each backend.
+each, sync seconds, the largest log-prob difference of each backend, and the importance
+ratios the first update would start from (the actor re-scoring the engine's samples: mean
+and largest |ratio - 1|; 0 for an exact engine, in bf16 the kernels' rounding).
 
     bash scripts/install_vllm_engine.sh                   # once: the engine's own env
     python scripts/gpu_check_vllm.py [--size sd35m|tiny] [--images 32] [--backends vllm,native] [--python ENV/bin/python]
@@ -29,6 +31,7 @@ from omni.config.rollout import VllmOptions
 from omni.models.sd3 import FAMILY, build_tiny_sd3_pipeline, build_tiny_transformer
 from omni.rollout.base import SamplingOptions
 from omni.rollout.diffusers_engine import load_diffusers_engine
+from omni.rollout.sampling import rescore_log_probs
 from omni.rollout.vllm_engine import VllmEngine
 from omni.weights import add_lora_adapter, lora_tensors, plain_base_names
 
@@ -69,6 +72,15 @@ def images_per_second(engine, prompts, seeds, options) -> float:
     return len(prompts) / (time.perf_counter() - start)
 
 
+def first_update_ratio(local, batch) -> dict:
+    """The importance ratios an update starts from: the actor (the in-process engine's
+    transformer, PEFT LoRA) re-scoring the engine's own samples, over the SDE steps."""
+    start, stop = batch.options.sde_steps
+    rescored = rescore_log_probs(FAMILY, local.transformer, batch, local.dtype)
+    ratio = torch.exp((rescored - batch.log_probs)[:, start:stop].double())
+    return {"first_update_mean_abs_ratio_minus_1": float((ratio - 1).abs().mean()), "first_update_max_abs_ratio_minus_1": float((ratio - 1).abs().max())}
+
+
 def check_backend(backend, args, model, device, dtype, workdir, base, lora, local, prompts, seeds, options) -> dict:
     """Start an engine of `backend` without base weights, sync the base then the LoRA, time
     its rollouts and compare its log-probs with the in-process engine's."""
@@ -89,6 +101,7 @@ def check_backend(backend, args, model, device, dtype, workdir, base, lora, loca
         # LoRA in the model's dtype): expect small, not zero, differences
         a, b = engine.generate(prompts[:4], seeds[:4], options), local.generate(prompts[:4], seeds[:4], options)
         result["max_log_prob_diff"] = float((a.log_probs - b.log_probs).abs().max())
+        result.update(first_update_ratio(local, a))
     finally:
         engine.shutdown()
     return result
@@ -104,9 +117,10 @@ def main() -> None:
     parser.add_argument("--python", default=None, help="engine env python (default: as rollout=vllm finds it)")
     parser.add_argument("--workdir", default="/tmp/omni-gpu-check")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run (with --size tiny)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), help="the transformer's (default: bfloat16 on cuda, else float32)")
     args = parser.parse_args()
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     workdir = Path(args.workdir)
     model = build_checkpoint(workdir / f"sd3-{args.size}", args.size)
     options = SamplingOptions(num_steps=10, resolution=args.resolution, guidance_scale=4.5, noise_level=0.7, max_sequence_length=256, sde_steps=(0, 10))

@@ -127,6 +127,27 @@ def sample_trajectories(
 
 
 @torch.no_grad()
+def rescore_log_probs(family: ModelFamily, transformer, batch: RolloutBatch, dtype) -> torch.Tensor:
+    """Each SDE step's log-prob of `batch`'s own trajectory under `transformer` (an actor's
+    re-scoring, outside a worker: the family's velocity on the stored latents cast to the
+    transformer's `dtype`, the step in fp32), (B, T) on the CPU, 0 outside the SDE window.
+    exp(this - batch.log_probs) is the importance ratio an update starts from."""
+    opts, device = batch.options, next(transformer.parameters()).device
+    cond = batch.cond.apply(lambda t: t.to(device, dtype if t.is_floating_point() else t.dtype))
+    out = torch.zeros(len(batch), opts.num_steps)
+    start, stop = opts.sde_steps
+    for i in range(start, stop):
+        x = batch.latents[:, i].to(device)
+        velocity = family.predict_velocity(transformer, x.to(dtype), batch.sigmas[i].expand(len(x)).to(device), cond, opts.guidance_scale)
+        _, log_prob, _, _ = sde_step(
+            velocity, x, batch.sigmas[i], batch.sigmas[i + 1], float(batch.sigmas[1]), opts.noise_level,
+            next_sample=batch.latents[:, i + 1].to(device), sde_type=opts.sde_type,
+        )  # fmt: skip
+        out[:, i] = log_prob.cpu()
+    return out
+
+
+@torch.no_grad()
 def sample_rollout(
     family: ModelFamily,
     pipe,
