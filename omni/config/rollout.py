@@ -16,7 +16,7 @@ class Engine(str, Enum):
 
 class VllmBackend(str, Enum):
     vllm = "vllm"  # vLLM-Omni serves our pipeline
-    native = "native"  # vLLM-Omni's own pipeline of the family, with our SDE scheduler (SD3, FLUX)
+    native = "native"  # vLLM-Omni's own pipeline of the family, with our SDE scheduler (SD3, FLUX, Qwen-Image)
     local = "local"  # the same pipeline in the engine process without vLLM-Omni (tests, debugging)
 
 

@@ -5,7 +5,9 @@ modules follow diffusers' names except where vLLM-Omni fuses projections into on
 parallel linear layer: in SD3's and FLUX's attention (FLUX's single blocks too) `to_q`/
 `to_k`/`to_v` are the shards q/k/v of `to_qkv`, and the context stream's `add_q_proj`/
 `add_k_proj`/`add_v_proj` those of `add_kv_proj` (FLUX's single blocks keep `proj_mlp`
-and `proj_out` apart, as diffusers does). A weight is loaded by its target parameter's own `weight_loader` (which
+and `proj_out` apart, as diffusers does). Qwen-Image fuses the same projections and also
+renames a module: diffusers' `to_out` is a list whose first entry is the output linear,
+vLLM-Omni's `to_out` is that linear (`attn.to_out.0.weight` -> `attn.to_out.weight`). A weight is loaded by its target parameter's own `weight_loader` (which
 places a shard and, under tensor parallelism, slices it), so we name the target and the
 shard; loading checks that every target parameter (every shard of a fused one) gets
 exactly one tensor.
@@ -26,19 +28,31 @@ QKV_FUSED: Dict[str, Tuple[str, str]] = {
     "add_k_proj": ("add_kv_proj", "k"),
     "add_v_proj": ("add_kv_proj", "v"),
 }
-FUSED: Dict[str, Dict[str, Tuple[str, str]]] = {"sd3": QKV_FUSED, "flux": QKV_FUSED}
+FUSED: Dict[str, Dict[str, Tuple[str, str]]] = {"sd3": QKV_FUSED, "flux": QKV_FUSED, "qwen_image": QKV_FUSED}
+# {family: ((plain module path part, vLLM-Omni's), ...)}: parts of a module path renamed
+RENAMED: Dict[str, Tuple[Tuple[str, str], ...]] = {"qwen_image": (("to_out.0", "to_out"),)}
 Target = Tuple[str, Optional[str]]  # (vLLM-Omni's parameter name, shard or None)
+
+
+def native_module(family: str, module: str) -> str:
+    """A plain module path (`transformer_blocks.0.attn.to_out.0`) under vLLM-Omni's
+    renames (`transformer_blocks.0.attn.to_out`); fused projections keep their plain name."""
+    dotted = f".{module}."
+    for plain, native in RENAMED.get(family, ()):
+        dotted = dotted.replace(f".{plain}.", f".{native}.")
+    return dotted[1:-1]
 
 
 def native_name(family: str, plain: str) -> Target:
     """The vLLM-Omni parameter (and shard) that the plain tensor `plain` loads into."""
     rules = FUSED[family]
     module, _, leaf = plain.rpartition(".")  # leaf: weight, bias
+    module = native_module(family, module)
     parent, _, last = module.rpartition(".")
     if last in rules:
         fused, shard = rules[last]
         return f"{parent}.{fused}.{leaf}" if parent else f"{fused}.{leaf}", shard
-    return plain, None
+    return f"{module}.{leaf}" if module else leaf, None
 
 
 def native_names(family: str, plain_names: Iterable[str]) -> Dict[str, Target]:

@@ -18,14 +18,15 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 NATIVE_PIPELINE_CLASSES = {
     "sd3": "omni.rollout.vllm_native.NativeSD3Pipeline",
     "flux": "omni.rollout.vllm_native.NativeFluxPipeline",
+    "qwen_image": "omni.rollout.vllm_native.NativeQwenImagePipeline",
 }
 # vLLM-Omni's pipelines for other families of ours, not yet extended by a native pipeline of ours
-NOT_YET_NATIVE = {"qwen_image": "QwenImagePipeline", "wan": "WanPipeline"}
+NOT_YET_NATIVE = {"wan": "WanPipeline"}
 # the vLLM-Omni releases whose pipelines the native backend was checked against
 TESTED_VERSIONS = ("0.30",)
 # family -> (vLLM-Omni's pipeline class, the attributes the native backend uses)
@@ -33,7 +34,10 @@ PIPELINE_HOOKS = ("diffuse", "forward", "scheduler_step", "prepare_timesteps", "
 HOOKS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "sd3": ("vllm_omni.diffusion.models.sd3.pipeline_sd3.StableDiffusion3Pipeline", PIPELINE_HOOKS),
     "flux": ("vllm_omni.diffusion.models.flux.pipeline_flux.FluxPipeline", PIPELINE_HOOKS),
+    "qwen_image": ("vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image.QwenImagePipeline", PIPELINE_HOOKS),
 }
+# prompt fields of a request (vLLM-Omni's OmniTextPrompt) among a family's pipeline guidance
+PROMPT_FIELDS = ("negative_prompt",)
 ENGINE_HOOKS = (
     ("vllm_omni.diffusion.worker.diffusion_worker.CustomPipelineWorkerExtension", ()),
     ("vllm_omni.diffusion.worker.diffusion_worker.DiffusionWorker", ("add_lora", "init_lora_manager")),
@@ -55,6 +59,20 @@ def family_problem(family: str) -> Optional[str]:
         else "vLLM-Omni has no pipeline for it that omni-recipes extends"
     )
     return f"rollout.options.backend=native: model.family={family}: {detail}; {supported()}; or use rollout.options.backend=vllm"
+
+
+def request_guidance(family: str, guidance_scale: float) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(prompt fields, sampling-params fields) that make vLLM-Omni's pipeline of `family`
+    guide as our family does: the family's pipeline guidance (`pipeline_guidance`, e.g.
+    Qwen-Image's negative prompt " " and `true_cfg_scale`) split between the prompt and the
+    sampling params. Without a second pass (`forward_passes` 1) no negative prompt: vLLM-Omni's
+    Qwen-Image runs true CFG whenever a request has one, taking a scale of 0 for 4."""
+    from omni.models import get_family
+
+    model = get_family(family)
+    fields = model.pipeline_guidance(guidance_scale)
+    prompt = {k: fields.pop(k) for k in PROMPT_FIELDS if k in fields}
+    return (prompt if model.forward_passes(guidance_scale) > 1 else {}), fields
 
 
 def _resolve(qualname: str):

@@ -1,35 +1,45 @@
 """`rollout.options.backend=native`: vLLM-Omni's own pipeline of the family, with our SDE step.
 
 The `vllm` backend runs a diffusers pipeline of ours inside vLLM-Omni; this backend runs
-vLLM-Omni's own (its `StableDiffusion3Pipeline` for SD3, its `FluxPipeline` for FLUX.1:
-their fused-projection transformers, attention backends, text encoders and VAE), so
+vLLM-Omni's own (its `StableDiffusion3Pipeline` for SD3, its `FluxPipeline` for FLUX.1,
+its `QwenImagePipeline` for Qwen-Image: their fused-projection transformers, attention
+backends, text encoders and VAE), so
 rollouts get vLLM-Omni's kernels. `NativeRollout` adds three hooks to such a pipeline, all
 through interfaces vLLM-Omni's pipelines already have, none a copy of their code:
 
 - the scheduler: its denoising loop steps `self.scheduler`; ours (`FlowGRPOScheduler`)
   takes the Flow-GRPO SDE / ODE steps, records the fp32 trajectory and per-step log-probs;
 - the transformer's timestep: a forward pre-hook gives it the fp32 timestep of the
-  scheduler's step, in the unit the family's transformer takes (SD3: 1000 sigma; FLUX:
-  sigma, which its transformer multiplies by 1000 itself). vLLM-Omni's loop casts the
-  timestep to the model's dtype first (FLUX's also divides the cast 1000 sigma by 1000); in
-  bf16 that rounds t = 1000 sigma by up to 2, and the actor, which re-scores with fp32
-  timesteps, would see another velocity;
+  scheduler's step, computed as the family's actor computes it (`transformer_timestep`;
+  SD3: 1000 sigma; FLUX: sigma, which its transformer multiplies by 1000 itself;
+  Qwen-Image: (1000 sigma) / 1000, as its pipeline hands the scheduler's timestep over).
+  vLLM-Omni's loops cast the timestep to the model's dtype first (FLUX's and Qwen-Image's
+  also divide the cast 1000 sigma by 1000); in bf16 that rounds t = 1000 sigma by up to 2,
+  and the actor, which re-scores with fp32 timesteps, would see another velocity;
 - `diffuse` and `forward`, extended (they call vLLM-Omni's): `diffuse` notes the text
-  conditioning it is given (the actor re-scores with it), `forward` starts and finishes
+  conditioning it is given (the actor re-scores with it; Qwen-Image's padded to
+  `max_sequence_length` with its mask, as our family keeps it, since vLLM-Omni pads a
+  batch to its longest prompt only), `forward` starts and finishes
   the scheduler's rollout around vLLM-Omni's forward, decodes the fp32 final latent and
   answers with the same `DiffusionOutput` fields as our `vllm` backend
-  (`omni.rollout.vllm_protocol.output_fields`), so the driver gets the same RolloutBatch.
-  FLUX's latents stay packed, as our FLUX family keeps them (vLLM-Omni packs them the same
-  way, and our scheduler draws its noise unpacked and packs it, as the in-process sampler).
+  (`omni.rollout.vllm_protocol.output_fields`; Qwen-Image's image also in the metadata
+  group, as its post-process makes PIL images of the payload), so the driver gets the same
+  RolloutBatch. FLUX's and Qwen-Image's latents stay packed, as our families keep them
+  (vLLM-Omni packs them the same way, and our scheduler draws its noise unpacked and packs
+  it, as the in-process sampler).
 
 FLUX.1-dev's distilled guidance needs nothing of ours: vLLM-Omni's loop gives the
 transformer the same fp32 guidance vector (`guidance_scale` per image) the actor does, and
-no negative prompt means no true CFG pass.
+no negative prompt means no true CFG pass. Qwen-Image's true CFG is vLLM-Omni's own loop:
+the same combination and per-token norm rescale as our family's, run when the request
+carries the negative prompt " " and `true_cfg_scale` (the server adds them:
+`omni.rollout.native_support.request_guidance`).
 
 Weights: base weights come as plain state-dict names and load through
 `omni.rollout.native_names` into vLLM-Omni's parameters with their own weight loaders;
 LoRA adapters go through vLLM-Omni's LoRA manager (loaded by path, chosen per request; see
-`omni.rollout.vllm_worker` and `omni.rollout.vllm_server`).
+`omni.rollout.vllm_worker` and `omni.rollout.vllm_server`); where vLLM-Omni renames a
+module (Qwen-Image's `to_out.0`), the adapter's module names are renamed as it loads.
 
 Imported only in the engine env (it imports vLLM-Omni).
 """
@@ -37,19 +47,23 @@ Imported only in the engine env (it imports vLLM-Omni).
 from __future__ import annotations
 
 import inspect
+import json
+from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.models.flux.pipeline_flux import FluxPipeline
+from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 from vllm_omni.diffusion.models.sd3.pipeline_sd3 import StableDiffusion3Pipeline
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
 from omni.models import get_family
 from omni.rollout.base import RolloutBatch, SamplingOptions
-from omni.rollout.native_names import FUSED, check_complete, native_names
+from omni.models.qwen_image import NEGATIVE_PROMPT, pad_to
+from omni.rollout.native_names import FUSED, RENAMED, check_complete, native_module, native_names
 from omni.rollout.native_scheduler import FlowGRPOScheduler, Noise, packed_noise, standard_noise
-from omni.rollout.transport import read_weights
+from omni.rollout.transport import LORA_CONFIG_FILE, LORA_FILE, read_weights
 from omni.rollout.vllm_protocol import group_by_options, output_fields, prompt_text
 
 TRANSFORMER_PREFIX = "transformer."
@@ -117,14 +131,15 @@ class NativeRollout:
     `custom_pipeline_args`: "family" and "load_base" (False: no checkpoint weights for the
     transformer, whose first sync fills it; the text encoders still load theirs).
 
-    A family's class names: `family_name`; `timestep_scale`, the transformer's timestep per
-    unit of sigma; `cond_arguments`, the arguments of the pipeline's `diffuse` that make the
-    family's conditioning, in its fields' order; `noise`, how its noise is drawn."""
+    A family's class names: `family_name`; `cond_arguments`, the arguments of the pipeline's
+    `diffuse` that make the family's conditioning, in its fields' order; `noise`, how its
+    noise is drawn; and defines `transformer_timestep`."""
 
     family_name: str = ""
-    timestep_scale: float = 1000.0
     cond_arguments: Tuple[str, ...] = ()
     noise: Noise = staticmethod(standard_noise)
+    # vLLM-Omni's post-process of the family converts images even with output_type latent
+    post_processes_images: bool = False
 
     def __init__(self, *, od_config, prefix: str = ""):
         super().__init__(od_config=od_config, prefix=prefix)
@@ -139,7 +154,7 @@ class NativeRollout:
             keep_linear_weights(self.transformer)
         self.scheduler = FlowGRPOScheduler.from_config(self.scheduler.config)
         self.transformer.register_forward_pre_hook(self._fp32_timesteps, with_kwargs=True)
-        self._cond = None
+        self._given: Dict[str, Any] = {}
 
     # ----------------------------------------------------------------- loading
     def load_weights(self, weights: Iterable) -> Optional[set]:
@@ -167,12 +182,20 @@ class NativeRollout:
         sigmas = self.scheduler.rollout_sigmas(hidden.shape[0], hidden.device) if hidden is not None else None
         if sigmas is None or "timestep" not in kwargs:
             return None
-        return args, {**kwargs, "timestep": sigmas * self.timestep_scale}
+        return args, {**kwargs, "timestep": self.transformer_timestep(sigmas)}
+
+    def transformer_timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """The transformer's timestep for fp32 noise levels, as the family's actor computes it."""
+        raise NotImplementedError
 
     def diffuse(self, *args, **kwargs):
         given = inspect.signature(super().diffuse).bind(*args, **kwargs).arguments
-        self._cond = self.family.conditioning(*(given.get(name) for name in self.cond_arguments))
+        self._given = {name: given.get(name) for name in self.cond_arguments}
         return super().diffuse(*args, **kwargs)
+
+    def captured_conditioning(self, given: Dict[str, Any], options: SamplingOptions):
+        """The family's conditioning from the `cond_arguments` `diffuse` was given."""
+        return self.family.conditioning(*given.values())
 
     # ----------------------------------------------------------------- sampling
     def forward(self, req: DiffusionRequestBatch) -> List[DiffusionOutput]:
@@ -185,7 +208,7 @@ class NativeRollout:
             part = req if len(rows) == len(prompts) else DiffusionRequestBatch(requests=[req.requests[i] for i in rows])
             batch = self._rollout(part, [prompts[i] for i in rows], [_seed(params[i]) for i in rows], options)
             for j, i in enumerate(rows):
-                outputs[i] = DiffusionOutput(**output_fields(batch, j))
+                outputs[i] = DiffusionOutput(**output_fields(batch, j, self.post_processes_images))
         return outputs
 
     @torch.no_grad()
@@ -198,8 +221,26 @@ class NativeRollout:
         finally:
             self.scheduler.cancel_rollout()
         images = self.family.decode(self, final, options.resolution).cpu()
-        cond = self._cond.apply(lambda t: t.cpu())
+        cond = self.captured_conditioning(self._given, options).apply(lambda t: t.cpu())
         return RolloutBatch(prompts, images, trajectory.latents, trajectory.log_probs, trajectory.sigmas, cond, options)
+
+    # ----------------------------------------------------------------- LoRA
+    def _load_diffusion_lora_adapter(self, lora_request, lora_path: str, dtype):
+        """vLLM-Omni's LoRA manager asks its pipeline first (None: its own loader). A family
+        whose modules vLLM-Omni renames (`native_names.RENAMED`) gets the adapter's module
+        names and target modules renamed, else its adapters on renamed modules would load
+        nowhere."""
+        if not RENAMED.get(self.family_name):
+            return None
+        from safetensors.torch import load_file
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        config = json.loads((Path(lora_path) / LORA_CONFIG_FILE).read_text())
+        config["target_modules"] = [native_module(self.family_name, m) for m in config["target_modules"]]
+        helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": None})
+        tensors = {native_module(self.family_name, k): v for k, v in load_file(str(Path(lora_path) / LORA_FILE)).items()}
+        return LoRAModel.from_lora_tensors(lora_request.lora_int_id, tensors, helper, device="cpu", dtype=dtype), helper
 
     # ----------------------------------------------------------------- encoding (DPO)
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
@@ -211,8 +252,10 @@ class NativeSD3Pipeline(NativeRollout, StableDiffusion3Pipeline):
     """vLLM-Omni's SD3 pipeline sampling Flow-GRPO rollouts."""
 
     family_name = "sd3"
-    timestep_scale = 1000.0  # SD3's transformer takes t = 1000 sigma
     cond_arguments = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds")
+
+    def transformer_timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
+        return sigmas * 1000  # SD3's transformer takes t = 1000 sigma
 
     @torch.no_grad()
     def encode_prompts(self, prompts, guidance_scale: float, max_sequence_length: int):
@@ -229,15 +272,46 @@ class NativeFluxPipeline(NativeRollout, FluxPipeline):
     Flow-GRPO rollouts."""
 
     family_name = "flux"
-    timestep_scale = 1.0  # FLUX's transformer takes sigma (and multiplies it by 1000 itself)
     cond_arguments = ("prompt_embeds", "pooled_prompt_embeds")
     noise = staticmethod(packed_noise)
+
+    def transformer_timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
+        return sigmas  # FLUX's transformer takes sigma (and multiplies it by 1000 itself)
 
     @torch.no_grad()
     def encode_prompts(self, prompts, guidance_scale: float, max_sequence_length: int):
         """T5's sequence and CLIP's pooled embedding from vLLM-Omni's encoders (FLUX has no negative prompt)."""
         embeds, pooled, _ = self.encode_prompt(prompt=list(prompts), prompt_2=None, max_sequence_length=max_sequence_length)
         return self.family.conditioning(embeds, pooled).apply(lambda t: t.cpu())
+
+
+class NativeQwenImagePipeline(NativeRollout, QwenImagePipeline):
+    """vLLM-Omni's Qwen-Image pipeline (true CFG on the negative prompt " ") sampling
+    Flow-GRPO rollouts."""
+
+    family_name = "qwen_image"
+    cond_arguments = ("prompt_embeds", "prompt_embeds_mask", "negative_prompt_embeds", "negative_prompt_embeds_mask")
+    noise = staticmethod(packed_noise)
+    post_processes_images = True  # its post-process makes PIL images of the payload
+
+    def transformer_timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
+        return sigmas * 1000 / 1000  # the scheduler's timestep, divided as the pipeline does
+
+    def captured_conditioning(self, given: Dict[str, Any], options: SamplingOptions):
+        """Each prompt's embeddings and mask padded to `max_sequence_length` (vLLM-Omni pads
+        a batch to its longest prompt), so rows of other batches stack."""
+        length = options.max_sequence_length
+        embeds, mask, neg, neg_mask = given.values()
+        negatives = pad_to(neg, neg_mask, length) if neg is not None else (None, None)
+        return self.family.conditioning(*pad_to(embeds, mask, length), *negatives)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts, guidance_scale: float, max_sequence_length: int):
+        """The prompts' (and under true CFG the negative prompt's) embeddings and masks from
+        vLLM-Omni's text encoder, padded to `max_sequence_length`, as our family encodes them."""
+        padded = lambda texts: pad_to(*self.encode_prompt(prompt=texts, max_sequence_length=max_sequence_length), max_sequence_length)  # noqa: E731
+        negatives = padded([NEGATIVE_PROMPT] * len(prompts)) if guidance_scale > 1 else (None, None)
+        return self.family.conditioning(*padded(list(prompts)), *negatives).apply(lambda t: t.cpu())
 
 
 def _refuse_transformer(weights: Iterable) -> Iterable:

@@ -10,7 +10,10 @@ compatible requests (up to `max_num_seqs`) into one call of our pipeline's `forw
 - answer (`DiffusionOutput` fields): the image as the output payload, the latent
   trajectory, per-step log-probs and noise levels in the `trajectory_*` fields vLLM-Omni
   keeps for RL, and the text embeddings in an `omni_rollout` metadata group (vLLM-Omni
-  0.30 replaced `custom_output` by metadata groups).
+  0.30 replaced `custom_output` by metadata groups). A pipeline whose vLLM-Omni post-process
+  converts images whatever the output type (Qwen-Image's makes PIL images of them) also
+  puts the fp32 image in that group, which the post-process passes through untouched, and
+  the reader takes it from there.
 
 `emulate_request_output` mirrors what vLLM-Omni's output formatter makes of those fields,
 for the engine's local backend; the contract tests check it against the real formatter.
@@ -27,6 +30,7 @@ from omni.models.base import Conditioning
 from omni.rollout.base import RolloutBatch, SamplingOptions
 
 ROLLOUT_KEY = "omni_rollout"
+IMAGE_KEY = "image"  # the fp32 image in the metadata group, where a post-process would convert it
 # What a request without our options (vLLM-Omni's start-up warm-up) is sampled with.
 DEFAULT_RESOLUTION = 512
 DEFAULT_MAX_SEQUENCE_LENGTH = 256
@@ -88,11 +92,17 @@ def group_by_options(prompts: Sequence, params_list: Sequence) -> List[Tuple[Sam
     return list(groups.values())
 
 
-def output_fields(batch: RolloutBatch, row: int) -> Dict[str, Any]:
-    """`DiffusionOutput` keyword arguments for image `row` of a sampled batch."""
+def output_fields(batch: RolloutBatch, row: int, post_processed: bool = False) -> Dict[str, Any]:
+    """`DiffusionOutput` keyword arguments for image `row` of a sampled batch. `post_processed`:
+    vLLM-Omni's image post-process converts the payload (it takes a batch in [-1, 1]), so
+    the image also rides in the metadata group."""
     cond = {name: t[row] for name, t in batch.cond.tensors().items()}
+    image = batch.images[row]
+    if post_processed:
+        cond[IMAGE_KEY] = image
+        image = image[None] * 2 - 1
     return dict(
-        output={"payload": {"image": batch.images[row]}, "metadata": {ROLLOUT_KEY: cond}},
+        output={"payload": {"image": image}, "metadata": {ROLLOUT_KEY: cond}},
         trajectory_latents=batch.latents[row],
         trajectory_log_probs=batch.log_probs[row],
         trajectory_timesteps=batch.sigmas,
@@ -134,7 +144,7 @@ def result_from_output(output) -> Dict[str, torch.Tensor]:
         )
     result = {name: t for name, t in metadata[ROLLOUT_KEY].items()}
     result.update(
-        image=_image_tensor(output.images[0]),
+        image=result.pop(IMAGE_KEY) if IMAGE_KEY in result else _image_tensor(output.images[0]),
         latents=output.trajectory_latents,
         log_probs=output.trajectory_log_probs,
         sigmas=output.trajectory_timesteps,

@@ -153,6 +153,10 @@ class VllmOmniBackend:
         """Sampling-params fields every request gets (the native backend: its LoRA)."""
         return {}
 
+    def _request(self, prompt: str, seed: int, options: SamplingOptions):
+        """One image's (prompt, sampling-params fields)."""
+        return request_inputs(prompt, seed, options)
+
     async def _generate_one(self, prompt, sampling: Dict[str, Any], request_id: str):
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
@@ -166,7 +170,7 @@ class VllmOmniBackend:
 
     async def _generate(self, prompts, seeds, options) -> List[Dict[str, torch.Tensor]]:
         call = uuid.uuid4().hex[:8]
-        requests = [request_inputs(p, s, options) for p, s in zip(prompts, seeds)]
+        requests = [self._request(p, s, options) for p, s in zip(prompts, seeds)]
         return await asyncio.gather(
             *(self._generate_one(prompt, sampling, f"omni-{call}-{i}") for i, (prompt, sampling) in enumerate(requests))
         )
@@ -199,11 +203,21 @@ class VllmOmniBackend:
 class NativeBackend(VllmOmniBackend):
     """vLLM-Omni's own pipeline of the family with our scheduler (`omni.rollout.vllm_native`).
     LoRA syncs load into vLLM-Omni's LoRA manager by path; every later request names the
-    latest adapter, so one batch never mixes two policies."""
+    latest adapter, so one batch never mixes two policies. Requests carry the family's
+    guidance as vLLM-Omni's pipeline takes it (`request_guidance`: Qwen-Image's negative
+    prompt and `true_cfg_scale`)."""
 
     def __init__(self, args):
         super().__init__(args)
+        self.family = args.family
         self.lora = None  # (name, id, path) of the adapter requests use
+
+    def _request(self, prompt: str, seed: int, options: SamplingOptions):
+        from omni.rollout.native_support import request_guidance
+
+        text, sampling = request_inputs(prompt, seed, options)
+        prompt_fields, sampling_fields = request_guidance(self.family, options.guidance_scale)
+        return {**text, **prompt_fields}, {**sampling, **sampling_fields}
 
     def _request_extras(self) -> Dict[str, Any]:
         from omni.rollout.vllm_worker import native_lora_request

@@ -1,5 +1,6 @@
 """Helpers shared by the rollout-engine tests: sampling options, random LoRA weights and
-the pipeline vLLM-Omni would build, on the tiny SD3 (the native backend's also on the tiny FLUX)."""
+the pipeline vLLM-Omni would build, on the tiny SD3 (the native backend's also on the tiny
+FLUX and Qwen-Image)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,12 @@ def flux_engine(tiny_flux_dir):
     from omni.rollout.diffusers_engine import load_diffusers_engine
 
     return load_diffusers_engine(FLUX, tiny_flux_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=True)
+
+
+@pytest.fixture
+def qwen_engine(tiny_qwen_image_dir):
+    """The in-process engine on the tiny Qwen-Image (packed latents, true CFG with rescale)."""
+    from omni.models.qwen_image import FAMILY as QWEN
+    from omni.rollout.diffusers_engine import load_diffusers_engine
+
+    return load_diffusers_engine(QWEN, tiny_qwen_image_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=True)

@@ -1,16 +1,18 @@
 """Base-weight names for the native backend: collect_lora_params' plain names of the tiny
-SD3 and FLUX -> vLLM-Omni's parameters and shards, each filled exactly once. (Against
+SD3, FLUX and Qwen-Image -> vLLM-Omni's parameters and shards, each filled exactly once. (Against
 vLLM-Omni's real transformers: tests/rollout/test_vllm_native_contract.py, in the engine env.)"""
 
 import pytest
 
 from omni.models.flux import FAMILY as FLUX
+from omni.models.qwen_image import FAMILY as QWEN
 from omni.models.sd3 import build_tiny_transformer
-from omni.rollout.native_names import check_complete, expected_targets, native_name, native_names
+from omni.rollout.native_names import check_complete, expected_targets, native_module, native_name, native_names
 from omni.weights import plain_base_names
 
 PLAIN = list(plain_base_names(build_tiny_transformer(0)))
 FLUX_PLAIN = list(plain_base_names(FLUX.meta_transformer()))  # names only: built on the meta device
+QWEN_PLAIN = list(plain_base_names(QWEN.meta_transformer()))
 
 
 def test_every_plain_name_has_its_own_target():
@@ -35,6 +37,23 @@ def test_flux_double_and_single_blocks_fuse_their_projections():
     assert native_name("flux", "single_transformer_blocks.0.proj_mlp.weight") == ("single_transformer_blocks.0.proj_mlp.weight", None)
     fused_names = sorted({target for target, _ in targets.values()})
     check_complete("flux", targets.values(), fused_names)
+
+
+def test_qwen_image_fuses_both_streams_and_renames_its_output_projection():
+    """vLLM-Omni's Qwen-Image fuses q/k/v as SD3 does and names diffusers' `to_out.0` (the
+    first entry of a list) `to_out`; nothing else moves (`to_add_out`, the MLPs, `img_in`)."""
+    targets = native_names("qwen_image", QWEN_PLAIN)
+    assert len(set(targets.values())) == len(QWEN_PLAIN)
+    fused = {t for t in targets.values() if t[1] is not None}
+    assert len(fused) == 2 * 2 * 6  # 2 blocks x (to_q/k/v, add_q/k/v_proj) x (weight, bias)
+    assert native_name("qwen_image", "transformer_blocks.1.attn.to_out.0.bias") == ("transformer_blocks.1.attn.to_out.bias", None)
+    assert native_name("qwen_image", "transformer_blocks.1.attn.to_add_out.weight") == ("transformer_blocks.1.attn.to_add_out.weight", None)
+    assert native_name("qwen_image", "transformer_blocks.0.img_mlp.net.0.proj.weight")[0] == "transformer_blocks.0.img_mlp.net.0.proj.weight"
+    assert not any(".to_out.0." in target for target, _ in targets.values())
+    check_complete("qwen_image", targets.values(), sorted({target for target, _ in targets.values()}))
+    # a LoRA adapter's names and target modules take the same rename; SD3 keeps to_out.0
+    assert native_module("qwen_image", "base_model.model.transformer_blocks.0.attn.to_out.0.lora_A.weight").endswith("attn.to_out.lora_A.weight")
+    assert native_module("qwen_image", "to_out.0") == "to_out" and native_module("sd3", "to_out.0") == "to_out.0"
 
 
 def test_the_fused_names_complete_vllm_omnis_parameters():

@@ -1,5 +1,5 @@
 """The SDE scheduler of `rollout.options.backend=native`, set on a pipeline whose denoising
-loop is not ours (diffusers' own StableDiffusion3Pipeline and FluxPipeline here; vLLM-Omni's
+loop is not ours (diffusers' own StableDiffusion3Pipeline, FluxPipeline and QwenImagePipeline here; vLLM-Omni's
 in the engine): it samples what the in-process engine samples, and the actor re-scores its
 log-probs."""
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from omni.models.flux import FAMILY as FLUX
+from omni.models.qwen_image import FAMILY as QWEN
 from omni.rollout.native_scheduler import FlowGRPOScheduler, packed_noise, standard_noise
 from tests.rollout.conftest import actor_log_probs, options
 
@@ -61,6 +62,19 @@ def test_flux_packed_latents_and_distilled_guidance(flux_engine):
     assert (rescored - got.log_probs).abs().max() <= 1e-5
     unpacked_order = sample_with_pipeline_loop(flux_engine, opts, standard_noise)
     assert (unpacked_order.latents[:, 2:] - expected.latents[:, 2:]).abs().max() > 1e-2
+
+
+def test_qwen_image_true_cfg_in_its_own_loop(qwen_engine):
+    """Qwen-Image: 16-channel packed latents, true CFG on " " with the norm rescale, in
+    diffusers' QwenImagePipeline loop (vLLM-Omni's has the same hook points)."""
+    opts = options(guidance_scale=3.0, sde_steps=(1, 3))
+    expected = qwen_engine.generate(PROMPTS, SEEDS, opts)
+    got = sample_with_pipeline_loop(qwen_engine, opts, packed_noise, **QWEN.pipeline_guidance(opts.guidance_scale))
+    assert torch.equal(got.sigmas, expected.sigmas)
+    assert (got.latents - expected.latents).abs().max() <= 1e-5
+    assert (got.log_probs - expected.log_probs).abs().max() <= 1e-5
+    rescored = actor_log_probs(qwen_engine.transformer, expected.cond, opts, got.latents, got.sigmas, QWEN)
+    assert (rescored - got.log_probs).abs().max() <= 1e-5
 
 
 def test_outside_a_rollout_it_is_the_euler_scheduler(diffusers_engine):

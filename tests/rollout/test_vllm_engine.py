@@ -63,14 +63,13 @@ def test_bad_retry_options_fail_validation_naming_the_key(tiny_cache, tmp_path):
         validate(cfg)
 
 
-@pytest.mark.parametrize("model", ["qwen_image_tiny", "wan_tiny"])
-def test_native_backend_refuses_a_family_it_does_not_extend(model, tiny_cache, tmp_path):
+def test_native_backend_refuses_a_family_it_does_not_extend(tiny_cache, tmp_path):
     """Refused from the family alone, before any engine env is looked at."""
-    cfg = compose_config(["rollout=vllm", f"model={model}", "rollout.options.backend=native", f"model.cache_dir={tiny_cache}"], tmp_path)
+    cfg = compose_config(["rollout=vllm", "model=wan_tiny", "rollout.options.backend=native", f"model.cache_dir={tiny_cache}"], tmp_path)
     with pytest.raises(ConfigError) as info:
         validate(cfg)
     message = str(info.value)
-    for hint in ("rollout.options.backend=native", f"model.family={cfg.model.family}", "supported: model.family in ['flux', 'sd3']", "vLLM-Omni 0.30.x"):
+    for hint in ("rollout.options.backend=native", f"model.family={cfg.model.family}", "supported: model.family in ['flux', 'qwen_image', 'sd3']", "vLLM-Omni 0.30.x"):
         assert hint in message
 
 
@@ -79,10 +78,11 @@ def test_native_backend_needs_vllm_omni_in_the_engine_env(no_engine_env):
     assert "has no vllm_omni installed" in problem
 
 
-def test_native_backend_takes_flux_on_to_the_engine_env_check(no_engine_env, tiny_cache, tmp_path):
-    """FLUX has a native pipeline (though the `vllm` backend does not serve it): what stops
-    it here is the missing engine env, not its family."""
-    cfg = compose_config(["rollout=vllm", "model=flux_tiny", "rollout.options.backend=native", f"model.cache_dir={tiny_cache}"], tmp_path)
+@pytest.mark.parametrize("model", ["flux_tiny", "qwen_image_tiny"])
+def test_native_backend_takes_flux_and_qwen_image_on_to_the_engine_env_check(model, no_engine_env, tiny_cache, tmp_path):
+    """FLUX and Qwen-Image have native pipelines (though the `vllm` backend does not serve
+    FLUX): what stops them here is the missing engine env, not their family."""
+    cfg = compose_config(["rollout=vllm", f"model={model}", "rollout.options.backend=native", f"model.cache_dir={tiny_cache}"], tmp_path)
     with pytest.raises(ConfigError) as info:
         validate(cfg)
     assert "scripts/install_vllm_engine.sh" in str(info.value) and "model.family" not in str(info.value)

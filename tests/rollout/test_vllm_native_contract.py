@@ -1,10 +1,12 @@
 """The native backend against the installed vLLM-Omni (skipped without vllm_omni, which
 lives in the engine env; run there with
 `ENV/bin/python -m pytest -n 0 tests/rollout/test_vllm_native_contract.py`): our base-weight
-names fill every parameter of its real SD3 and FLUX transformers once, after which each
-computes the diffusers transformer's velocity; its pipelines have the hooks we use."""
+names fill every parameter of its real SD3, FLUX and Qwen-Image transformers once, after which
+each computes the diffusers transformer's velocity; its pipelines have the hooks we use;
+Qwen-Image's requests, LoRA adapters and post-processed answers reach it as we mean them."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,9 +15,10 @@ pytest.importorskip("vllm_omni", reason="vLLM-Omni is not installed here (it liv
 
 from omni.distributed import free_port  # noqa: E402
 from omni.models.flux import TINY_TRANSFORMER as FLUX_TINY, image_ids  # noqa: E402
+from omni.models.qwen_image import FAMILY as QWEN, NEGATIVE_PROMPT, TINY_TRANSFORMER as QWEN_TINY, velocity  # noqa: E402
 from omni.models.sd3 import build_tiny_transformer  # noqa: E402
-from omni.rollout.native_support import hook_problems, missing_hooks  # noqa: E402
-from omni.rollout.vllm_native import keep_linear_weights, load_native_base, native_targets  # noqa: E402
+from omni.rollout.native_support import hook_problems, missing_hooks, request_guidance  # noqa: E402
+from omni.rollout.vllm_native import NativeRollout, keep_linear_weights, load_native_base, native_targets  # noqa: E402
 from omni.weights import plain_base_names  # noqa: E402
 
 
@@ -110,9 +113,112 @@ def test_flux_base_names_fill_every_parameter_once_and_give_the_same_velocity(ti
         load_native_base(module, "flux", {k: v for k, v in plain.items() if "single_transformer_blocks.0.attn.to_k" not in k})
 
 
+def test_qwen_image_base_names_fill_every_parameter_once_and_give_the_same_velocity(tiny_qwen_image_dir, parallel_group):
+    """Qwen-Image's fused q/k/v of both streams and its `to_out` (diffusers' `to_out.0`);
+    `img_in`, registered twice, is filled once. vLLM-Omni's transformer, called as its loop
+    calls it (a batch padded to its longest prompt, the mask, the padded width as text
+    lengths), gives the actor's velocity (each prompt cut to the batch's longest)."""
+    from diffusers import QwenImageTransformer2DModel
+    from vllm_omni.diffusion.forward_context import set_forward_context
+    from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import QwenImageTransformer2DModel as NativeQwen
+
+    module, config = native_transformer(tiny_qwen_image_dir, NativeQwen)
+    torch.manual_seed(3)
+    reference = QwenImageTransformer2DModel(**QWEN_TINY)
+    plain = {k: v.detach() for k, v in plain_base_names(reference).items()}
+    assert load_native_base(module, "qwen_image", plain) == len(plain)
+    assert "img_in.weight" in native_targets(module) and "image_rope_prepare.img_in.weight" not in native_targets(module)
+    after_loading(module)
+    generator = torch.Generator().manual_seed(0)
+    latents, embeds = torch.randn(2, 16, 64, generator=generator), torch.randn(2, 10, 32, generator=generator)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, 7:] = 0
+    embeds[1, 7:] = 0
+    timestep = torch.tensor([0.9, 0.25])
+    with torch.no_grad(), set_forward_context(omni_diffusion_config=config):
+        got = module(
+            hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
+            img_shapes=[[(1, 4, 4)]] * 2, txt_seq_lens=[10, 10], return_dict=False,
+        )[0]
+        want = velocity(reference, latents, timestep, embeds, mask)
+    assert (got - want).abs().max() <= 1e-5
+    with pytest.raises(KeyError, match="missing"):
+        load_native_base(module, "qwen_image", {k: v for k, v in plain.items() if ".to_out.0." not in k})
+
+
+def test_qwen_image_requests_ask_for_true_cfg_on_the_negative_prompt():
+    """vLLM-Omni's Qwen-Image reads the negative prompt from the prompt and the scale from the
+    sampling params; without a negative prompt it runs no CFG pass."""
+    from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    prompt_fields, sampling_fields = request_guidance("qwen_image", 3.0)
+    params = OmniDiffusionSamplingParams(**sampling_fields)
+    assert params.true_cfg_scale == 3.0
+    assert QwenImagePipeline._extract_prompts(None, [{"prompt": "a cat", **prompt_fields}]) == (["a cat"], [NEGATIVE_PROMPT])
+    assert QwenImagePipeline._extract_prompts(None, [{"prompt": "a cat", **request_guidance("qwen_image", 1.0)[0]}])[1] is None
+
+
+def test_qwen_image_lora_adapters_are_renamed_for_its_to_out(tmp_path):
+    """A PEFT adapter on diffusers' `to_out.0` loads into vLLM-Omni's `to_out` (its LoRA
+    manager's target matching and lookup by module name), with every other module kept."""
+    from diffusers import QwenImageTransformer2DModel
+    from vllm.lora.request import LoRARequest
+    from vllm_omni.diffusion.lora.utils import _match_target_modules
+
+    from omni.config.model import LoraConfig
+    from omni.rollout.transport import write_lora_adapter
+    from tests.rollout.conftest import random_lora
+
+    config = LoraConfig(rank=4, alpha=8.0, target_modules=list(QWEN.lora_targets))
+    torch.manual_seed(0)
+    path = write_lora_adapter(tmp_path, "lora-1", random_lora(QwenImageTransformer2DModel(**QWEN_TINY), lora=config), config)
+    pipeline = SimpleNamespace(family_name="qwen_image")
+    model, helper = NativeRollout._load_diffusion_lora_adapter(pipeline, LoRARequest("lora-1", 1, str(path)), str(path), torch.float32)
+    assert "to_out" in helper.target_modules and "to_out.0" not in helper.target_modules
+    assert _match_target_modules("transformer.transformer_blocks.0.attn.to_out", helper.target_modules)
+    out = model.get_lora("transformer_blocks.0.attn.to_out")
+    assert out is not None and out.lora_a.shape[0] == 4 and model.get_lora("transformer_blocks.0.attn.to_out.0") is None
+    assert model.get_lora("transformer_blocks.1.attn.add_k_proj") is not None
+    assert NativeRollout._load_diffusion_lora_adapter(SimpleNamespace(family_name="sd3"), None, str(path), torch.float32) is None
+
+
+def test_qwen_image_answers_survive_its_post_process(tiny_qwen_image_dir):
+    """vLLM-Omni's Qwen-Image post-process makes PIL images of the payload even with
+    output_type latent; through it and the real formatter, the reader still gets the exact
+    fp32 image (the metadata group's)."""
+    from vllm_omni.diffusion.data import DiffusionOutput
+    from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import get_qwen_image_post_process_func
+    from vllm_omni.diffusion.output_formatter import format_diffusion_outputs, normalize_diffusion_postprocess_output
+    from vllm_omni.diffusion.request import OmniDiffusionRequest
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    from omni.rollout.base import RolloutBatch
+    from omni.rollout.vllm_protocol import output_fields, request_inputs, result_from_output
+    from tests.rollout.conftest import options
+
+    opts = options()
+    generator = torch.Generator().manual_seed(0)
+    cond = QWEN.conditioning(torch.randn(1, 16, 32, generator=generator), torch.ones(1, 16, dtype=torch.long))
+    latents, log_probs = torch.randn(1, 5, 16, 64, generator=generator), torch.randn(1, 4, generator=generator)
+    batch = RolloutBatch(["a cat"], torch.rand(1, 3, 64, 64, generator=generator), latents, log_probs, torch.linspace(1, 0, 5), cond, opts)
+    output = DiffusionOutput(**output_fields(batch, 0, post_processed=True))
+    post_process = get_qwen_image_post_process_func(SimpleNamespace(output_type="latent", model=str(tiny_qwen_image_dir)))
+    prompt, sampling = request_inputs("a cat", 1, opts)
+    request = OmniDiffusionRequest(prompt=prompt, sampling_params=OmniDiffusionSamplingParams(**sampling), request_id="r0")
+    data = post_process(output.output)
+    (formatted,) = format_diffusion_outputs(
+        request=request, od_config=SimpleNamespace(model_class_name="QwenImagePipeline"), diffusion_output=output,
+        output_data=data, postprocess_output=normalize_diffusion_postprocess_output(data),
+    )
+    result = result_from_output(formatted)
+    assert torch.equal(result["image"], batch.images[0]) and torch.equal(result["log_probs"], log_probs[0])
+    assert torch.equal(result["embeds"], cond.embeds[0])
+
+
 def test_the_installed_vllm_omni_has_the_hooks():
-    assert hook_problems("sd3") is None and hook_problems("flux") is None
-    assert "model.family=qwen_image" in hook_problems("qwen_image")
+    assert hook_problems("sd3") is None and hook_problems("flux") is None and hook_problems("qwen_image") is None
+    assert "model.family=wan" in hook_problems("wan")
 
 
 def test_a_pipeline_without_a_hook_is_named():

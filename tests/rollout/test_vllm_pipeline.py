@@ -10,9 +10,11 @@ from omni.models.sd3 import FAMILY, build_tiny_transformer
 from omni.rollout import transport
 from omni.rollout.vllm_pipeline import FlowGRPOPipeline
 from omni.rollout.vllm_protocol import (
+    IMAGE_KEY,
     collate_results,
     emulate_request_output,
     options_from_sampling_params,
+    output_fields,
     request_inputs,
     result_from_output,
 )
@@ -116,6 +118,20 @@ def test_request_round_trips_the_options():
     assert options_from_sampling_params(SimpleNamespace(**request_inputs("a cat", 1, cps)[1])) == cps
     flash = options(sde_steps=(0, 2), ode_solver="dpm2")  # and the same ODE steps
     assert options_from_sampling_params(SimpleNamespace(**request_inputs("a cat", 1, flash)[1])) == flash
+
+
+def test_an_image_a_post_process_would_convert_rides_in_the_metadata(synced):
+    """Qwen-Image's post-process makes PIL images of the payload: with `post_processed`
+    the reader takes the exact fp32 image from the metadata group, not the payload."""
+    _, pipeline = synced
+    batch = pipeline.sample(PROMPTS[:2], SEEDS[:2], CASES["flow_grpo"])
+    fields = output_fields(batch, 1, post_processed=True)
+    assert fields["output"]["payload"]["image"].shape == (1, *batch.images.shape[1:])  # a batch in [-1, 1]
+    output = emulate_request_output(fields)
+    output.images = [(output.images[0][0] / 2 + 0.5).mul(255).round().byte().permute(1, 2, 0).numpy()]  # as a post-process leaves it
+    result, plain = result_from_output(output), result_from_output(emulate_request_output(output_fields(batch, 1)))
+    assert torch.equal(result[IMAGE_KEY], batch.images[1]) and torch.equal(plain[IMAGE_KEY], batch.images[1])
+    assert set(result) == set(plain)
 
 
 def test_warm_up_request_without_our_options_samples_ode(tiny_sd3_dir):
