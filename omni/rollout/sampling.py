@@ -91,9 +91,9 @@ def sample_trajectories(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """One micro-batch: (latents (B, T+1, ...), log_probs (B, T), images (B, 3, H, W) or clips
     (B, F, 3, H, W), and with `keep_uncond` the unconditional velocities of the SDE steps
-    (B, SDE steps, ...), else None), fp32 on the CPU. With `keep_uncond` the guidance's two
-    passes run apart (`ModelFamily.guided_velocity`). `dtype` is the transformer's, read once
-    by the caller (reading a module's dtype walks all its parameters)."""
+    (B, SDE steps, ...), else None), fp32 on the CPU; keeping them runs the same passes
+    (`ModelFamily.guided_velocity`). `dtype` is the transformer's, read once by the caller
+    (reading a module's dtype walks all its parameters)."""
     transformer = pipe.transformer
     generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
 

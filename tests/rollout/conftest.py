@@ -41,20 +41,13 @@ def random_lora(transformer, seed: int = 0, lora: LoraConfig = LORA):
 
 
 def actor_log_probs(transformer, cond, opts: SamplingOptions, latents, sigmas, family=FAMILY) -> torch.Tensor:
-    """Each SDE step's log-prob re-scored the way the actor does (the family's velocity,
-    omni.rollout.sde's step): (B, T), 0 outside the window."""
-    from omni.rollout.sde import sde_step
+    """Each SDE step's log-prob re-scored the way the actor does (`rescore_log_probs`): (B, T),
+    0 outside the window."""
+    from omni.rollout.base import RolloutBatch
+    from omni.rollout.sampling import rescore_log_probs
 
-    out = torch.zeros(latents.shape[0], opts.num_steps)
-    start, stop = opts.sde_steps
-    with torch.no_grad():
-        for i in range(start, stop):
-            x = latents[:, i]
-            velocity = family.predict_velocity(transformer, x, sigmas[i].expand(len(x)), cond, opts.guidance_scale)
-            _, out[:, i], _, _ = sde_step(
-                velocity, x, sigmas[i], sigmas[i + 1], float(sigmas[1]), opts.noise_level, next_sample=latents[:, i + 1], sde_type=opts.sde_type
-            )
-    return out
+    batch = RolloutBatch([""] * len(latents), None, latents, torch.zeros(len(latents), opts.num_steps), sigmas, cond, opts)
+    return rescore_log_probs(family, transformer, batch, next(transformer.parameters()).dtype)
 
 
 def od_config(model_path, load_base: bool = True, dtype=torch.float32):
