@@ -9,6 +9,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from omni.devices import disable_cudnn_attention
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -22,6 +24,7 @@ def pick_device(name: str, local_rank: int = 0) -> torch.device:
     if name == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
+        disable_cudnn_attention()
         return torch.device("cuda", local_rank)
     return torch.device(name)
 

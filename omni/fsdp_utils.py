@@ -58,9 +58,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from verl.utils.fsdp_utils import fsdp_version
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
-__all__ = ["collect_lora_params", "fsdp_summon_full_params", "state_nbytes"]
+__all__ = ["collect_lora_params", "fsdp_summon_full_params", "fsdp_version", "state_nbytes"]
 
 _WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 _FLAT_PARAM = "_flat_param"
@@ -74,6 +75,15 @@ def state_nbytes(state: dict[str, torch.Tensor]) -> int:
 def _clean_name(raw: str) -> str:
     """Module/parameter name with FSDP, activation-checkpoint and compile wrappers removed."""
     return ".".join(s for s in raw.split(".") if s not in _WRAPPER_SEGMENTS)
+
+
+def fsdp_version(module: nn.Module) -> int:
+    """1 for an FSDP1 wrapper, 2 for a module `fully_shard` was applied to, else 0 (the
+    module itself, not its descendants). Read from torch's own classes: importing verl
+    for it would pull in Ray and tensordict, seconds at every start."""
+    if isinstance(module, FSDP1):
+        return 1
+    return 2 if isinstance(module, FSDPModule) else 0
 
 
 def _wrapping(module: nn.Module) -> int:

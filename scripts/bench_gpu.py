@@ -31,6 +31,10 @@ On the same transformer, VAE, batch, steps, guidance and size it measures:
   block (SD3.5-Medium's extra image-only attention in 13 blocks, ~1.5%, is left out); an
   update counts one more forward for its backward (the base is frozen: no weight gradients)
   and not the checkpointing's recompute; the VAE is not counted;
+- the memory estimator (omni.memory, `scripts/estimate_memory.py`) against the measured peak
+  of the update with every pass differentiated, without and with checkpointing (error in %);
+- the bf16 noise floor of the importance ratios: one rollout re-scored by the actor one
+  micro-batch at a time (`rescore_log_probs`), nothing trained in between;
 - the seconds `collect_lora_params` takes to gather the LoRA for an engine copy (with the
   default shared engine no sync runs at all).
 Times are the best of --repeats after one warm-up.
@@ -52,16 +56,18 @@ import inspect
 import json
 import sys
 import time
+import traceback
 from importlib import resources
 
 import torch
 
 from omni.config.model import LoraConfig
+from omni.devices import disable_cudnn_attention
 from omni.fsdp_utils import collect_lora_params
-from omni.memory import arch_config
+from omni.memory import arch_config, count, estimate
 from omni.models import get_family
-from omni.rollout.base import SamplingOptions
-from omni.rollout.sampling import sample_trajectories
+from omni.rollout.base import RolloutBatch, SamplingOptions
+from omni.rollout.sampling import rescore_log_probs, sample_trajectories
 from omni.weights import add_lora_adapter, is_lora_name
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -145,6 +151,8 @@ def arch_settings(arch: str, family, configs, args) -> dict:
         "text_tokens": family.sequence_length(transformer_config, 0, t5_tokens),
         "image_tokens": (latent_side // 2) ** 2,  # both families cut latents into 2x2 patches
         "lora_rank": args.lora_rank,
+        "lora_dtype": args.lora_dtype,
+        "cudnn_attention": args.cudnn_attention,
         "repeats": args.repeats,
     }
 
@@ -206,9 +214,10 @@ class Budget:
         return False
 
 
-def build_pipeline(family, configs, lora_rank: int, device: torch.device, dtype: torch.dtype):
-    """The family's diffusers pipeline around a random transformer (in `dtype`, LoRA attached),
-    a random VAE (fp32) and the scheduler; no text encoders or tokenizers."""
+def build_pipeline(family, configs, lora_rank: int, device: torch.device, dtype: torch.dtype, lora_dtype: str = "float32"):
+    """The family's diffusers pipeline around a random transformer (in `dtype`, LoRA attached
+    in fp32 as the recipes keep it, or in `dtype` with lora_dtype="model"), a random VAE
+    (fp32) and the scheduler; no text encoders or tokenizers."""
     import diffusers
 
     transformer_config, vae_config, scheduler_config = configs
@@ -219,6 +228,10 @@ def build_pipeline(family, configs, lora_rank: int, device: torch.device, dtype:
     transformer.requires_grad_(False)
     vae.requires_grad_(False)
     add_lora_adapter(transformer, LoraConfig(rank=lora_rank, alpha=lora_rank, target_modules=list(family.lora_targets)))
+    if lora_dtype == "model":
+        for name, param in transformer.named_parameters():
+            if is_lora_name(name):
+                param.data = param.data.to(dtype)
     cls = getattr(diffusers, family.pipeline_class)
     absent = {name: None for name in inspect.signature(cls.__init__).parameters if name not in ("self", "transformer", "vae", "scheduler")}
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
@@ -310,6 +323,56 @@ def bench_update(family, pipe, cond, settings: dict, cfg_gradient: str, device: 
     return {"seconds": seconds, "peak_gib": peaks}
 
 
+def failure(error: Exception) -> str:
+    """A phase's error, with where it was raised (CUDA reports a kernel's fault at a later
+    call unless CUDA_LAUNCH_BLOCKING=1)."""
+    where = traceback.extract_tb(error.__traceback__)[-1]
+    return f"{type(error).__name__}: {str(error).splitlines()[0]} (at {where.name}, line {where.lineno})"
+
+
+def ratio_noise_floor(family, pipe, cond, settings: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """The importance ratios an update starts from when nothing changed: one rollout call of
+    the whole batch, re-scored by the actor (`rescore_log_probs`) one micro-batch at a time,
+    as an update does. In fp32 on the CPU they are 1 to ~1e-6; in bf16 the kernels' other
+    shapes give the noise floor a parity check between actor and engine must tolerate."""
+    steps, resolution = settings["steps"], settings["resolution"]
+    options = SamplingOptions(steps, resolution, settings["guidance"], 0.7, settings["t5_tokens"], sde_steps=(0, steps))
+    sigmas = family.sigmas(pipe, steps, resolution)
+    latents, log_probs, _, _ = sample_trajectories(family, pipe, cond, list(range(settings["batch"])), sigmas, options, device, dtype)
+    cpu_cond = cond.apply(lambda t: t.cpu())
+    batch = RolloutBatch([""] * len(latents), None, latents, log_probs, sigmas.cpu(), cpu_cond, options)
+    micro = settings["micro_batch"]
+    rescored = torch.cat([
+        rescore_log_probs(family, pipe.transformer, batch.select(slice(i, i + micro), with_images=False), dtype)
+        for i in range(0, len(batch), micro)
+    ])  # fmt: skip
+    deviation = (rescored - log_probs).exp().sub(1).abs()
+    return {
+        "mean_abs_ratio_minus_1": figure(deviation.mean().item()),
+        "max_abs_ratio_minus_1": figure(deviation.max().item()),
+        "max_abs_log_prob_diff": figure((rescored - log_probs).abs().max().item()),
+    }
+
+
+def estimated_train_gib(family, transformer_config: dict, settings: dict, dtype: str) -> dict:
+    """omni.memory's estimate of the training phase for the update's micro-batch (one device,
+    no sharding, text encoders offloaded as the benchmark has none), without and with
+    gradient checkpointing: what `scripts/estimate_memory.py` would print for this setting."""
+    lora = LoraConfig(rank=settings["lora_rank"], alpha=settings["lora_rank"], target_modules=list(family.lora_targets))
+    sizes = count(family, transformer_config, lora)
+    tokens = settings["text_tokens"] + settings["image_tokens"]
+    return {
+        ("checkpointing" if c else "plain"): estimate(
+            sizes, tokens, settings["micro_batch"], 1, 0, dtype, settings["passes"], c)["train_phase"]
+        for c in (False, True)
+    }  # fmt: skip
+
+
+def estimate_error(measured: dict, estimated: dict) -> dict:
+    """(estimate - measured) / measured in % for each setting measured on CUDA."""
+    return {k: round(100 * (estimated[k] - v) / v, 1) for k, v in measured.items() if v}
+
+
 def rollout_report(measured: dict, settings: dict, model_flops: float, peak_flops: float) -> dict:
     batch = settings["batch"]
     return {
@@ -342,20 +405,39 @@ def bench_arch(arch: str, args, budget: Budget) -> dict:
     section = {"settings": settings, "estimated_s": {k: figure(budget.seconds(f)) for k, f in plan["total"].items()}, "skipped": []}
     if args.estimate or not budget.fits("the architecture (its rollout first)", plan["total"]["rollout"], section["skipped"]):
         return section
-    pipe = build_pipeline(family, configs, args.lora_rank, device, dtype)
+    pipe = build_pipeline(family, configs, args.lora_rank, device, dtype, args.lora_dtype)
     cond = random_conditioning(family, configs[0], settings, device, dtype)
-    rollout = bench_rollout(family, pipe, cond, settings, device, dtype)
+    try:
+        rollout = bench_rollout(family, pipe, cond, settings, device, dtype)
+    except RuntimeError as e:
+        section["rollout"] = {"error": failure(e)}
+        return section
     section["rollout"] = rollout_report(rollout, settings, plan["per_call"]["rollout"], peak)
     section["update"] = {}
     for grad in cfg_gradients(settings):
         key = f"update {grad}"
         if budget.fits(key, plan["total"][key], section["skipped"]):
-            measured = bench_update(family, pipe, cond, settings, grad, device, dtype)
+            try:
+                measured = bench_update(family, pipe, cond, settings, grad, device, dtype)
+            except RuntimeError as e:  # recorded, so the parts that still can run do
+                section["update"][grad] = {"error": failure(e)}
+                continue
             section["update"][grad] = update_report(measured, settings, plan["per_call"][key], peak)
+            if grad == "both":  # what omni.memory models: every pass differentiated
+                estimated = estimated_train_gib(family, configs[0], settings, args.dtype)
+                section["update"][grad]["estimated_gib"] = estimated
+                section["update"][grad]["estimate_error_pct"] = estimate_error(measured["peak_gib"], estimated)
+    try:
+        section["ratio_noise_floor"] = ratio_noise_floor(family, pipe, cond, settings, device, dtype)
+    except RuntimeError as e:
+        section["ratio_noise_floor"] = {"error": failure(e)}
     def collect():
         collect_lora_params(pipe.transformer, False, True, True, "default", family.layer_prefixes)
 
-    section["lora_collect_seconds"] = figure(timed(collect, device, args.repeats)[0])
+    try:
+        section["lora_collect_seconds"] = figure(timed(collect, device, args.repeats)[0])
+    except RuntimeError as e:
+        section["lora_collect_seconds"] = {"error": failure(e)}
     return section
 
 
@@ -374,6 +456,10 @@ def parse_args(argv):
     parser.add_argument("--guidance", type=float, help="default: the architecture's (SD3.5-Medium 4.5, FLUX.1-dev 3.5)")
     parser.add_argument("--text-tokens", type=int, help="T5 tokens (model.max_sequence_length); default: the pipeline's")
     parser.add_argument("--lora-rank", type=int, default=32)
+    parser.add_argument("--lora-dtype", default="float32", choices=("float32", "model"),
+                        help="the LoRA's weights: fp32 as the recipes keep them, or the transformer's dtype")
+    parser.add_argument("--cudnn-attention", action="store_true",
+                        help="let SDPA pick cuDNN's attention (its backward faulted on FLUX.1-dev, torch 2.11, H200)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense bf16 peak (H100/H200: 989)")
     parser.add_argument("--time-budget-s", type=float, default=420.0, help="skip what would not fit (estimated) in this")
@@ -385,6 +471,8 @@ def parse_args(argv):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.device.startswith("cuda") and not args.cudnn_attention:
+        disable_cudnn_attention()
     budget = Budget(args.time_budget_s, args.peak_tflops * 1e12)
     start, report = time.monotonic(), {}
     for arch in args.arch or DEFAULT_ARCHS:
@@ -392,7 +480,11 @@ def main(argv=None) -> None:
         report[section["settings"]["arch"]] = section
         gc.collect()
         if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            try:
+                torch.cuda.empty_cache()
+            except RuntimeError as e:  # a fault of this section's, reported late: keep what was measured
+                section["cuda_error_after"] = failure(e)
+                break
     report["elapsed_s"] = round(time.monotonic() - start, 1)
     json.dump(report, sys.stdout, indent=1)
     print()

@@ -85,3 +85,59 @@ def test_bench_gpu_reports_every_figure_for_both_families(script, tiny_cache, ca
         for update in updates.values():
             assert set(update["transitions_per_s"]) == set(update["mfu"]) == {"plain", "checkpointing"}
             assert min(update["transitions_per_s"].values()) > 0 and min(update["mfu"].values()) > 0
+        assert "error" not in section["ratio_noise_floor"]
+        # the LoRA is zero and nothing trained: the actor's re-scoring gives the rollout's log-probs
+        assert section["ratio_noise_floor"]["max_abs_log_prob_diff"] < 1e-2
+        assert set(updates["both"]["estimated_gib"]) == {"plain", "checkpointing"}
+
+
+def test_ratio_noise_floor_is_zero_in_fp32_and_sees_a_changed_actor(script, tiny_cache):
+    """One rollout re-scored by the actor in micro-batches: in fp32 on the CPU the ratios are
+    1 to rounding; once the actor's weights move they are not (the check can fail)."""
+    import torch
+
+    from omni.models import get_family
+
+    family = get_family("sd3")
+    args = script.parse_args(["--tiny", "--cache-dir", str(tiny_cache), "--device", "cpu", "--dtype", "float32",
+                              "--resolution", "64", "--steps", "3", "--batch", "4", "--micro-batch", "2"])  # fmt: skip
+    configs = script.component_configs(family, "sd3.5-medium", True, str(tiny_cache))
+    settings = script.arch_settings("sd3.5-medium", family, configs, args)
+    pipe = script.build_pipeline(family, configs, 4, torch.device("cpu"), torch.float32)
+    cond = script.random_conditioning(family, configs[0], settings, torch.device("cpu"), torch.float32)
+    floor = script.ratio_noise_floor(family, pipe, cond, settings, torch.device("cpu"), torch.float32)
+    assert floor["max_abs_ratio_minus_1"] < 1e-4
+
+    sample = script.sample_trajectories
+    def moved(*a, **k):  # the engine samples, then the actor's weights move before it re-scores
+        out = sample(*a, **k)
+        with torch.no_grad():
+            for p in pipe.transformer.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        return out
+
+    script.sample_trajectories = moved
+    try:
+        floor = script.ratio_noise_floor(family, pipe, cond, settings, torch.device("cpu"), torch.float32)
+    finally:
+        script.sample_trajectories = sample
+    assert floor["max_abs_ratio_minus_1"] > 1e-3
+
+
+def test_estimate_error_is_in_percent_of_the_measured_peak(script):
+    assert script.estimate_error({"plain": 20.0, "checkpointing": None}, {"plain": 15.0, "checkpointing": 5.0}) == {"plain": -25.0}
+
+
+@pytest.mark.slow
+def test_gpu_suite_without_a_gpu_runs_the_cpu_checks_and_says_so(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "suite.json"
+    subprocess.run([sys.executable, str(SCRIPT.parent / "gpu_suite.py"), "--out", str(out), "--budget-s", "300"], check=True)
+    report = json.loads(out.read_text())
+    assert report["gpu"] is None and "no GPU" in report["note"]
+    assert set(report["parts"]) == {"bench_sd3.5-medium", "bench_flux.1-dev", "fsdp"}
+    assert all(part["returncode"] == 0 and part["result"] for part in report["parts"].values())
+    assert report["parts"]["fsdp"]["result"]["passed"] is True
+    assert "async_overlap" in report["not_measured"]

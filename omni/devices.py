@@ -1,0 +1,18 @@
+"""Device settings the recipes apply before any model runs on a GPU.
+
+cuDNN's fused attention (one of the backends PyTorch's scaled_dot_product_attention may pick
+on CUDA) failed in its backward on FLUX.1-dev's shapes (H200, torch 2.11 with CUDA 13:
+`mha_graph.execute(...) is_good()` false, then illegal memory accesses in later kernels),
+and an SD3.5-Medium update once failed in cuBLAS after it. Flash and memory-efficient
+attention cover the same shapes, so the recipes turn cuDNN's off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def disable_cudnn_attention() -> None:
+    """SDPA without its cuDNN backend (flash and memory-efficient attention stay)."""
+    if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+        torch.backends.cuda.enable_cudnn_sdp(False)
