@@ -259,20 +259,28 @@ def _related_box(rng: np.random.Generator, target: Box, side: float, relation: s
     return tx + dx, ty + dy, side
 
 
+def _next_box(rng, metadata, boxes, first_of, index, side, size) -> Optional[Box]:
+    """A box for the next object (of include entry `index`) that fits among `boxes`, or None."""
+    position = metadata["include"][index].get("position")
+    for _ in range(100):
+        if position:
+            box = _related_box(rng, boxes[first_of[position[1]]], side, position[0], size)
+        else:
+            box = (rng.uniform(0, size), rng.uniform(0, size), side)
+        if _inside(box, size) and _apart(box, boxes, GAP * size):
+            return box
+    return None
+
+
 def place(metadata: Dict[str, Any], objects: List[Tuple[str, str, int]], size: int, rng: np.random.Generator) -> List[Box]:
     """A box per object, inside the image, apart from each other, positions as the metadata says."""
     low, high = SIZES[len(objects)]
-    for _ in range(1000):
+    for _ in range(100):
         boxes: List[Box] = []
         first_of: Dict[int, int] = {}
         for k, (_, _, index) in enumerate(objects):
-            side = rng.uniform(low, high) * size
-            position = metadata["include"][index].get("position")
-            if position:
-                box = _related_box(rng, boxes[first_of[position[1]]], side, position[0], size)
-            else:
-                box = (rng.uniform(0, size), rng.uniform(0, size), side)
-            if not (_inside(box, size) and _apart(box, boxes, GAP * size)):
+            box = _next_box(rng, metadata, boxes, first_of, index, rng.uniform(low, high) * size, size)
+            if box is None:
                 break
             first_of.setdefault(index, k)
             boxes.append(box)
@@ -307,7 +315,11 @@ def draw(objects: Sequence[Tuple[str, str, int]], boxes: Sequence[Box], size: in
     canvas = np.empty((fine, fine, 3))
     canvas[:] = BACKGROUND
     for (shape, color, _), box in zip(objects, boxes):
-        canvas[shape_mask(shape, box, xx, yy)] = COLORS[color]
+        x, y, s = box  # only the fine pixels of the box (and one more) can be covered
+        r0, r1 = (max(int((v - s / 2) * SUPERSAMPLE) - 1, 0) for v in (y, x)), (int((v + s / 2) * SUPERSAMPLE) + 2 for v in (y, x))
+        (y0, x0), (y1, x1) = r0, r1
+        part = canvas[y0:y1, x0:x1]
+        part[shape_mask(shape, box, xx[y0:y1, x0:x1], yy[y0:y1, x0:x1])] = COLORS[color]
     image = canvas.reshape(size, SUPERSAMPLE, size, SUPERSAMPLE, 3).mean(axis=(1, 3))
     return torch.from_numpy(image.transpose(2, 0, 1).copy()).float()
 
@@ -345,3 +357,29 @@ def held_out_prompts() -> List[Dict[str, Any]]:
 def training_prompts(n: int, seed: int = 0) -> List[Dict[str, Any]]:
     """`n` training prompts from `seed`, none of the held-out colour-attribution prompts."""
     return prompt_set(n, seed, avoid=[item["prompt"] for item in held_out_prompts()], avoid_tags=DISJOINT_TAGS)
+
+
+def jitter(images: torch.Tensor, seed: int, noise: float = 0.03, blur: float = 1.0, color: float = 0.08) -> torch.Tensor:
+    """Images (B, 3, H, W) as a camera or a decoder might spoil them, from `seed`: a Gaussian
+    blur of sigma up to `blur` pixels, each channel's gain and offset off by up to `color`
+    (and `color` / 2), Gaussian noise of std `noise`; clamped to [0, 1]."""
+    g = torch.Generator().manual_seed(seed)
+    b = images.shape[0]
+    sigma = torch.rand(b, generator=g) * blur
+    radius = max(1, int(np.ceil(2 * blur)))
+    offsets = torch.arange(-radius, radius + 1, dtype=torch.float32)
+    kernels = torch.exp(-offsets[None] ** 2 / (2 * sigma[:, None].clamp_min(1e-3) ** 2))
+    kernels = kernels / kernels.sum(dim=1, keepdim=True)
+    out = torch.nn.functional.pad(images, (radius,) * 4, mode="replicate")
+    out = torch.stack([_separable(image, kernel) for image, kernel in zip(out, kernels)])
+    gain = 1 + (torch.rand(b, 3, 1, 1, generator=g) * 2 - 1) * color
+    offset = (torch.rand(b, 3, 1, 1, generator=g) * 2 - 1) * color / 2
+    out = out * gain + offset + torch.randn(out.shape, generator=g) * noise
+    return out.clamp(0, 1)
+
+
+def _separable(image: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+    """A padded image (3, H + 2r, W + 2r) blurred by a 1-D kernel (2r + 1) along both axes."""
+    k = kernel.view(1, 1, 1, -1).expand(3, 1, 1, -1)
+    rows = torch.nn.functional.conv2d(image[None], k, groups=3)
+    return torch.nn.functional.conv2d(rows, k.transpose(2, 3), groups=3)[0]
