@@ -1,6 +1,6 @@
 """Rewards: one component per module (`omni/rewards/<name>.py` defines `REWARD`, see
 `omni.rewards.base`), combined by `WeightedReward` into a weighted sum whose components are
-each reported (`reward/<name>`)."""
+each reported (`reward/<name>`, and a component's details as `reward/<name>/<detail>`)."""
 
 from __future__ import annotations
 
@@ -52,18 +52,22 @@ class WeightedReward:
         for reward in self.rewards.values():
             reward.teardown()
 
-    def _score(self, reward: Reward, images: torch.Tensor, prompts: List[str]) -> torch.Tensor:
+    def _score(self, reward: Reward, images: torch.Tensor, prompts: List[str]) -> Dict[str, torch.Tensor]:
+        """The reward's scores under its name and its details under <name>/<detail>."""
         size = reward.options.batch_size or self.batch_size
-        parts = [reward.score(images[s : s + size].float().cpu(), prompts[s : s + size]).float() for s in range(0, len(prompts), size)]
-        return torch.cat(parts)
+        parts = []
+        for s in range(0, len(prompts), size):
+            scores, details = reward.score_details(images[s : s + size].float().cpu(), prompts[s : s + size])
+            parts.append({reward.name: scores.float(), **{f"{reward.name}/{k}": v.float() for k, v in details.items()}})
+        return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
 
     def component_scores(self, images: torch.Tensor, prompts: List[str]) -> Dict[str, torch.Tensor]:
-        """Each component's scores, from calls of at most its batch size."""
-        return {name: self._score(reward, images, prompts) for name, reward in self.rewards.items()}
+        """Each component's scores (and details), from calls of at most its batch size."""
+        return {key: values for reward in self.rewards.values() for key, values in self._score(reward, images, prompts).items()}
 
     def combine(self, parts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """The `component_scores` of consecutive parts as one, with their weighted sum as "reward"."""
-        scores = {name: torch.cat([part[name] for part in parts]) for name in self.rewards}
+        scores = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
         scores["reward"] = sum(reward.options.weight * scores[name] for name, reward in self.rewards.items())
         return scores
 

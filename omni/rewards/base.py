@@ -5,7 +5,9 @@ A reward lives in `omni/rewards/<name>.py` and defines `REWARD`, a `Reward` subc
 `reward.components.<name>`: a misspelt or mistyped option fails at validation, naming it.
 `setup()` loads what the reward needs (a model, a connection) once, before training;
 `score` maps a batch of images (B, 3, H, W in [0, 1]) and their prompts to one float each;
-a video reward (`video = True`) maps clips (B, F, 3, H, W) instead.
+a video reward (`video = True`) maps clips (B, F, 3, H, W) instead. A reward that measures
+more than it rewards (GenEval's 0/1 accuracy beside a dense share of requirements met)
+overrides `score_details` instead, whose details are logged as reward/<name>/<detail>.
 
 Prompts are `omni.data.prompts.Prompt` strings: each carries its item's `metadata` (a
 dict, e.g. GenEval's objects) and its `origin` (file and line), so what a reward needs
@@ -18,7 +20,7 @@ validation, before any model loads: `check_options` (paths that must exist) and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -60,3 +62,7 @@ class Reward:
 
     def score(self, images: torch.Tensor, prompts: List[str]) -> torch.Tensor:
         raise NotImplementedError
+
+    def score_details(self, images: torch.Tensor, prompts: List[str]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """`score`, and other per-image measures by name (logged, not rewarded)."""
+        return self.score(images, prompts), {}
