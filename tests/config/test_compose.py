@@ -22,6 +22,7 @@ REWARD_NEEDS = {
     "ocr": ["data=ocr"],
     "http": ["reward.components.http.url=http://127.0.0.1:8000"],
     "geneval": ["data=geneval", "reward.components.http.url=http://127.0.0.1:8000"],
+    "scene_geneval": ["data=scenes"],
     "vlm_judge": ["reward.components.vlm_judge.url=http://127.0.0.1:8000/v1", "reward.components.vlm_judge.model=judge"],
 }
 # A video model scores clips and a clip reward needs a video model (validation refuses mixing them).
