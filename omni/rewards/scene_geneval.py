@@ -6,12 +6,15 @@ Finding the objects (`detect`), for a batch of images (B, 3, H, W) in [0, 1]:
 2. foreground: pixels farther than `foreground` from that grey, opened (eroded, then dilated)
    by one pixel to drop speckles of noise;
 3. connected components (8-connected) by propagating the largest pixel index through each
-   component (a 3x3 max-pool, repeated until nothing changes); components smaller than
-   `min_area` of the image are dropped;
+   component (a 3x3 max-pool, repeated until nothing changes);
 4. per component: its colour is the scene colour nearest to its median pixel (after an
-   erosion, so that blurred edges do not vote); its shape is the scene shape whose template
-   (the shape filling its bounding box, 16x16) overlaps its mask, scaled to 16x16, most;
-   its box and centroid are kept for positions.
+   erosion, so that blurred edges do not vote); its coverage of each pixel is the pixel's
+   share of that colour against the grey; its shape is the scene shape that, drawn with the
+   same total coverage and centroid (both survive a blur) and blurred by 0, 0.6 or 1.2 px,
+   leaves the coverage nearest to the component's;
+   its box and centroid are kept for positions. A component counts as an object only if
+   both fit (`shape_fit`, `color_fit`) and its area lies within [min_area, max_area], as
+   GenEval counts only its detector's confident boxes: noise and smears are not objects.
 
 Scoring (`evaluate`) follows GenEval's evaluation on the prompt's metadata: each `include`
 entry needs at least `count` objects of its class, of its colour if it names one, and
@@ -45,11 +48,19 @@ class SceneGenevalOptions(RewardOptions):
     dense: bool = True
     # Least RGB distance (0 to sqrt 3) from the background grey for a pixel to be an object.
     foreground: float = 0.2
-    # Least area of an object, as a share of the image (smaller components are noise).
+    # Least and most area of an object, as a share of the image (others are noise or background).
     min_area: float = 0.004
+    max_area: float = 0.25
+    # How well a component must fit its shape (squared error of the best drawn shape over the
+    # component's own square; renders fit within 0.03, noise blobs mostly beyond 0.2) ...
+    shape_fit: float = 0.1
+    # ... and its colour (RGB distance of its median colour to the nearest scene colour) to
+    # count as an object, as GenEval counts only a detector's confident boxes.
+    color_fit: float = 0.3
 
 
-Detection = Dict[str, Any]  # class, color, box (x0, y0, x1, y1), centroid (x, y), area (pixels)
+# class, color, shape_fit, color_fit, box (x0, y0, x1, y1), centroid (x, y), area (pixels)
+Detection = Dict[str, Any]
 
 
 PALETTE = torch.tensor(list(scenes.COLORS.values()))
@@ -73,13 +84,17 @@ def _dilate(mask: torch.Tensor) -> torch.Tensor:
 
 def components(mask: torch.Tensor) -> torch.Tensor:
     """Labels (B, H, W) of the 8-connected components of a boolean mask (B, H, W): each
-    component's largest flat pixel index + 1, 0 off the mask."""
+    component's largest flat pixel index + 1, 0 off the mask. Each round takes the largest
+    label among the neighbours, then the label of the pixel a label names (which lies in the
+    same component), so labels travel far in few rounds."""
     b, h, w = mask.shape
-    index = torch.arange(1, h * w + 1, dtype=torch.float32).view(1, 1, h, w)
     inside = mask[:, None].float()
-    labels = index * inside
+    labels = torch.arange(1, h * w + 1, dtype=torch.float32).view(1, 1, h, w) * inside
     while True:
         grown = F.max_pool2d(labels, 3, stride=1, padding=1) * inside
+        flat = grown.view(b, -1)
+        named = torch.gather(flat, 1, (flat.long() - 1).clamp_min(0)).view_as(grown) * inside
+        grown = torch.maximum(grown, named)
         if torch.equal(grown, labels):
             return labels[:, 0].long()
         labels = grown
@@ -127,9 +142,10 @@ def _drawn(shape: str, covered: np.ndarray, ys: np.ndarray, xs: np.ndarray) -> n
     return mask.reshape(h, scenes.SUPERSAMPLE, w, scenes.SUPERSAMPLE).mean(axis=(1, 3))
 
 
-def classify_shape(covered: torch.Tensor, window: torch.Tensor) -> str:
+def classify_shape(covered: torch.Tensor, window: torch.Tensor) -> Tuple[str, float]:
     """The scene shape that, drawn where the object is at its size (and blurred as much as
-    fits best), leaves the coverage (H, W) nearest to the object's within the window."""
+    fits best), leaves the coverage (H, W) nearest to the object's within the window; and
+    how far it stays (squared error over the coverage's own square: 0 is a perfect fit)."""
     rows, cols = torch.nonzero(window.any(dim=1)).flatten(), torch.nonzero(window.any(dim=0)).flatten()
     r0, r1, c0, c1 = max(int(rows[0]) - 3, 0), int(rows[-1]) + 4, max(int(cols[0]) - 3, 0), int(cols[-1]) + 4
     seen = covered[r0:r1, c0:c1].double().numpy()
@@ -138,7 +154,7 @@ def classify_shape(covered: torch.Tensor, window: torch.Tensor) -> str:
     drawn = torch.from_numpy(np.stack([_drawn(shape, seen, ys, xs) for shape in scenes.SHAPES]))
     blurred = F.conv2d(drawn[:, None], KERNELS, padding=3)  # (shapes, blurs, h, w)
     errors = (((blurred - torch.from_numpy(seen)) * torch.from_numpy(inside)) ** 2).sum(dim=(2, 3)).amin(dim=1)
-    return scenes.SHAPES[int(errors.argmin())]
+    return scenes.SHAPES[int(errors.argmin())], float(errors.min() / ((seen * inside) ** 2).sum())
 
 
 def coverage(image: torch.Tensor, color: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
@@ -159,31 +175,36 @@ def describe(image: torch.Tensor, region: torch.Tensor, core: torch.Tensor) -> D
     if len(xs) == 0:  # a faint object: its region stands in
         ys, xs = torch.nonzero(region, as_tuple=True)
         covered = region.float()
+    shape, shape_fit = classify_shape(covered, window)
+    distances = torch.linalg.vector_norm(PALETTE - color, dim=1)
     return {
-        "class": classify_shape(covered, window),
-        "color": list(scenes.COLORS)[int(torch.linalg.vector_norm(PALETTE - color, dim=1).argmin())],
+        "class": shape,
+        "color": list(scenes.COLORS)[int(distances.argmin())],
+        "shape_fit": shape_fit,
+        "color_fit": float(distances.min()),
         "box": (float(xs.min()), float(ys.min()), float(xs.max()) + 1, float(ys.max()) + 1),
         "centroid": (float(xs.float().mean()) + 0.5, float(ys.float().mean()) + 0.5),
         "area": int(region.sum()),
     }
 
 
-def detect(images: torch.Tensor, foreground: float = 0.2, min_area: float = 0.004) -> List[List[Detection]]:
+def detect(images: torch.Tensor, options: Optional[SceneGenevalOptions] = None) -> List[List[Detection]]:
     """The objects in each image (B, 3, H, W) in [0, 1]: see the module's docstring."""
+    options = options or SceneGenevalOptions()
     images = white_balanced(images.float().clamp(0, 1))
     distance = torch.linalg.vector_norm(images - BACKGROUND[None, :, None, None], dim=1)
-    mask = _dilate(_erode((distance > foreground).float()[:, None]))
+    mask = _dilate(_erode((distance > options.foreground).float()[:, None]))
     core = _erode(mask)[:, 0] > 0
     labels = components(mask[:, 0] > 0)
-    least = min_area * images.shape[-1] * images.shape[-2]
+    pixels = images.shape[-1] * images.shape[-2]
     found = []
     for image, label, inner in zip(images, labels, core):
         objects = []
         for value in torch.unique(label[label > 0]).tolist():
             region = label == value
-            if region.sum() >= least:
+            if options.min_area * pixels <= region.sum() <= options.max_area * pixels:
                 objects.append(describe(image, region, region & inner))
-        found.append(objects)
+        found.append([o for o in objects if o["shape_fit"] <= options.shape_fit and o["color_fit"] <= options.color_fit])
     return found
 
 
@@ -225,8 +246,8 @@ class SceneGeneval(Reward):
     def check_options(cls, options: SceneGenevalOptions, key: str) -> None:
         if not 0 < options.foreground < 3**0.5:
             raise ValueError(f"{key}.foreground={options.foreground} must lie between 0 and sqrt(3) (an RGB distance)")
-        if not 0 <= options.min_area < 1:
-            raise ValueError(f"{key}.min_area={options.min_area} must be a share of the image, in [0, 1)")
+        if not 0 <= options.min_area < options.max_area <= 1:
+            raise ValueError(f"{key}: min_area={options.min_area} and max_area={options.max_area} are shares of the image, 0 <= min_area < max_area <= 1")
 
     @classmethod
     def prompt_problem(cls, options: SceneGenevalOptions, prompt: Any) -> Optional[str]:
@@ -234,7 +255,7 @@ class SceneGeneval(Reward):
         return f"scene metadata (omni.scenes): {problem}" if problem else None
 
     def score_details(self, images: torch.Tensor, prompts: List[Any]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        results = [evaluate(objects, prompt.metadata) for objects, prompt in zip(detect(images, self.options.foreground, self.options.min_area), prompts)]
+        results = [evaluate(objects, prompt.metadata) for objects, prompt in zip(detect(images, self.options), prompts)]
         accuracy = torch.tensor([float(correct) for correct, _, _ in results])
         partial = torch.tensor([met / total for _, met, total in results])
         return (partial if self.options.dense else accuracy), {"accuracy": accuracy, "partial": partial}

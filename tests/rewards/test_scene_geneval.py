@@ -16,7 +16,7 @@ from omni import scenes
 from omni.config.validate import ConfigError, validate
 from omni.data.prompts import Prompt, load_prompts
 from omni.rewards import WeightedReward
-from omni.rewards.scene_geneval import SceneGeneval, SceneGenevalOptions, detect, evaluate
+from omni.rewards.scene_geneval import SceneGeneval, SceneGenevalOptions, components, detect, evaluate
 from tests.conftest import compose_config
 
 SIZE = 64  # the tiny models' resolution
@@ -87,6 +87,49 @@ def test_renders_of_a_corrupted_prompt_score_zero():
     assert not details["accuracy"].any(), [str(p) for p, a in zip(prompts, details["accuracy"]) if a]
     attribution = torch.tensor([p.metadata["tag"] == "color_attr" for p in prompts])
     assert bool((details["partial"][attribution] == 0.5).all())  # both shapes there, both colours wrong
+
+
+def test_noise_is_not_an_object():
+    """Random pixels, smooth random fields and flat colours are scored as GenEval's
+    detector would score an empty picture: (almost) never correct."""
+    prompts = load_prompts("omni:scenes_eval")
+    g = torch.Generator().manual_seed(0)
+    fields = {
+        "pixels": torch.rand(300, 3, SIZE, SIZE, generator=g),
+        "smooth": torch.nn.functional.interpolate(torch.rand(300, 3, 8, 8, generator=g), size=SIZE, mode="bilinear"),
+        "flat": torch.rand(300, 3, 1, 1, generator=g).expand(300, 3, SIZE, SIZE).contiguous(),
+    }
+    reward = SceneGeneval("scene_geneval", SceneGenevalOptions())
+    for name, images in fields.items():
+        assert reward.score_details(images, prompts)[1]["accuracy"].mean() <= 0.02, name
+
+
+def flood_fill(mask):
+    """Reference 8-connected labels, one breadth-first fill per component."""
+    h, w = len(mask), len(mask[0])
+    labels, n = [[0] * w for _ in range(h)], 0
+    for i in range(h):
+        for j in range(w):
+            if mask[i][j] and not labels[i][j]:
+                n += 1
+                labels[i][j], queue = n, [(i, j)]
+                while queue:
+                    a, b = queue.pop()
+                    for x in range(max(a - 1, 0), min(a + 2, h)):
+                        for y in range(max(b - 1, 0), min(b + 2, w)):
+                            if mask[x][y] and not labels[x][y]:
+                                labels[x][y] = n
+                                queue.append((x, y))
+    return torch.tensor(labels)
+
+
+def test_components_partition_as_a_flood_fill_does():
+    masks = torch.rand(4, 40, 40, generator=torch.Generator().manual_seed(0)) > torch.tensor([0.3, 0.45, 0.55, 0.7])[:, None, None]
+    for mask, labels in zip(masks, components(masks)):
+        reference = flood_fill(mask.tolist())
+        assert torch.equal(labels > 0, mask)
+        pairs = set(zip(labels[mask].tolist(), reference[mask].tolist()))  # one-to-one
+        assert len(pairs) == len(set(labels[mask].tolist())) == int(reference.max()) > 1
 
 
 def obj(name, color, box, area=100):
