@@ -54,6 +54,11 @@ SIZES = {1: (0.26, 0.36), 2: (0.22, 0.30), 3: (0.18, 0.24), 4: (0.18, 0.24)}
 GAP = 0.06  # least distance between two objects' boxes, as a share of the side
 MARGIN = 0.04  # least distance from an object's box to the image's edge
 ENTRY_KEYS = {"class", "count", "color", "position"}
+# Every word a scene prompt can have, for a tokenizer that gives each its own token.
+WORDS = tuple(dict.fromkeys(
+    "a an photo of and".split() + list(COUNT_WORDS.values()) + list(SHAPES) + list(PLURALS.values())
+    + list(COLORS) + " ".join(RELATIONS).split()
+))
 
 
 # ---- metadata -> prompt text ----------------------------------------------------------------

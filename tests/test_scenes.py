@@ -83,6 +83,12 @@ def test_the_shipped_sets_are_the_generators():
     assert all(scenes.metadata_problem(p.metadata) is None for p in held_out + train)
 
 
+def test_every_prompt_word_is_in_the_scene_vocabulary():
+    texts = [p for p in load_prompts("omni:scenes_eval") + load_prompts("omni:scenes_train")]
+    assert {w for text in texts for w in text.split()} <= set(scenes.WORDS)
+    assert max(len(text.split()) for text in texts) <= 10  # with start and end, within 16 tokens
+
+
 def test_genevals_own_metadata_is_read_and_its_vocabulary_refused():
     """GenEval's sample lines parse as scene metadata; only their classes (umbrella, ...)
     fall outside the renderer's vocabulary."""

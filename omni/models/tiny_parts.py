@@ -31,15 +31,15 @@ TINY_VAE_CHANNELS = (8, 8, 16, 16)
 TINY_VAE_FACTOR = 2 ** (len(TINY_VAE_CHANNELS) - 1)
 
 
-def clip_vocabulary():
+def clip_vocabulary(words=TINY_WORDS):
     """CLIP's BPE vocabulary and merges for the tiny words, written out rather than trained
     (a trained BPE breaks ties between equally frequent pairs differently from one process
     to the next, which would make the "same seed" model differ). Every character also has a
     `</w>` form, so no text falls back to the unknown token (which CLIP shares with eos,
-    where it pools); each word is merged left to right into one token."""
+    where it pools); each of `words` is merged left to right into one token."""
     vocab = ["<|startoftext|>", "<|endoftext|>"] + ALPHABET + [c + "</w>" for c in ALPHABET]
     merges = []
-    for word in sorted(set(TINY_WORDS)):
+    for word in sorted(set(words)):
         symbols = list(word[:-1]) + [word[-1] + "</w>"]
         while len(symbols) > 1:
             pair = (symbols[0], symbols[1])
@@ -50,18 +50,18 @@ def clip_vocabulary():
     return {token: i for i, token in enumerate(dict.fromkeys(vocab))}, merges
 
 
-def clip_tokenizer(max_length: int):
+def clip_tokenizer(max_length: int, words=TINY_WORDS):
     from transformers import CLIPTokenizer
 
-    vocab, merges = clip_vocabulary()
+    vocab, merges = clip_vocabulary(words)
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
 
 
-def t5_tokenizer(max_length: int):
+def t5_tokenizer(max_length: int, words=TINY_WORDS):
     from transformers import T5Tokenizer
 
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -3.0)]
-    vocab += [("\u2581" + w, -1.0) for w in dict.fromkeys(TINY_WORDS)]
+    vocab += [("\u2581" + w, -1.0) for w in dict.fromkeys(words)]
     vocab += [(c, -5.0) for c in ALPHABET]
     return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=max_length)
 
