@@ -1,7 +1,7 @@
 """Pretrain a micro Stable Diffusion 3 on rendered scenes (omni.scenes): a FIRST VERSION, to
 size the design and measure its speed; it writes a diffusers checkpoint, but no weights ship yet.
 
-    python scripts/pretrain_micro.py /tmp/micro --vae-steps 300 --steps 300 --threads 1
+    python scripts/pretrain_micro.py /tmp/micro --vae-steps 800 --steps 1500 --threads 1
 
 The pipeline is the tiny SD3's layout with parts sized for scenes:
 - tokenizers whose vocabulary holds every scene word (omni.scenes.WORDS; T5 gives each word
@@ -78,7 +78,7 @@ def train_vae(vae, items, args) -> list:
     optimizer = torch.optim.AdamW(vae.parameters(), lr=args.lr)
     losses = []
     for step in range(args.vae_steps):
-        _, images = scene_batch(items, step, args.batch, args.size, args.seed)
+        _, images = scene_batch(items, step, args.vae_batch, args.size, args.seed)
         x = images * 2 - 1
         posterior = vae.encode(x).latent_dist
         recon = vae.decode(posterior.sample(generator=torch.Generator().manual_seed(step))).sample
@@ -137,9 +137,10 @@ def train_transformer(pipe, items, args) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
-    parser.add_argument("--vae-steps", type=int, default=300)
-    parser.add_argument("--steps", type=int, default=300, help="transformer steps")
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--vae-steps", type=int, default=800)
+    parser.add_argument("--steps", type=int, default=1500, help="transformer steps")
+    parser.add_argument("--batch", type=int, default=32, help="transformer batch")
+    parser.add_argument("--vae-batch", type=int, default=16)
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
