@@ -86,7 +86,7 @@ def train_vae(vae, items, args) -> list:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -130,7 +130,7 @@ def train_transformer(pipe, items, args) -> list:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
