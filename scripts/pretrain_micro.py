@@ -17,6 +17,13 @@ The pipeline is the tiny SD3's layout with parts sized for scenes:
   replaced by the empty one, so classifier-free guidance has an unconditional model.
 Every batch is a function of (seed, step): scenes from omni.scenes.training_prompts, each
 drawn with its own seed; with --threads 1 the run is deterministic on a CPU.
+
+Measured (defaults, one thread of a shared 2-core machine): the VAE takes 0.50 s a step and
+its 800 steps reach a round trip right on all 60 held-out renders; the transformer takes
+0.31 s a step (a third of it drawing and encoding the batch) and after its 1,500 steps
+(8 minutes) samples (20 Euler steps, guidance 4.5-7) put coloured blobs on the grey but not
+yet shapes: 0-3% held-out accuracy on 60 prompts, far below the 15-60% the issue aims at.
+Next: latents of a fixed pool of renders cached once, more transformer steps, a wider model.
 """
 
 from __future__ import annotations
