@@ -6,7 +6,8 @@ Finding the objects (`detect`), for a batch of images (B, 3, H, W) in [0, 1]:
 2. foreground: pixels farther than `foreground` from that grey, opened (eroded, then dilated)
    by one pixel to drop speckles of noise;
 3. connected components (8-connected) by propagating the largest pixel index through each
-   component (a 3x3 max-pool, repeated until nothing changes);
+   component (a 3x3 max-pool, then a jump to the label a label names, repeated until nothing
+   changes);
 4. per component: its colour is the scene colour nearest to its median pixel (after an
    erosion, so that blurred edges do not vote); its coverage of each pixel is the pixel's
    share of that colour against the grey; its shape is the scene shape that, drawn with the
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 
 from omni import scenes
 from omni.rewards.base import Reward, RewardOptions
+
 
 @dataclass
 class SceneGenevalOptions(RewardOptions):
