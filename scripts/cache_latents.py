@@ -37,11 +37,11 @@ def main(argv=None) -> None:
     from omni.workers.actor_rollout import torch_dtype
 
     cfg = run_config(sys.argv[1:] if argv is None else argv)
-    if not cfg.data.latent_cache:
-        raise SystemExit("set data.latent_cache=DIR: the directory to write the cache to")
     data = PairData(cfg)  # scans the pairs, or checks a complete cache against this run
+    if data.cache_dir is None:
+        raise SystemExit("set data.latent_cache=DIR: the directory to write the cache to (auto caches only pairs encoded by decoder inversion)")
     if data.cache is not None:
-        print(f"data.latent_cache={cfg.data.latent_cache} is complete: {len(data.cache)} pairs")
+        print(f"data.latent_cache={data.cache_dir} is complete: {len(data.cache)} pairs")
         return
     device = pick_device(cfg.trainer.device, 0)
     engine = load_diffusers_engine(get_family(cfg.model.family), model_dir(cfg.model), device,
@@ -49,7 +49,7 @@ def main(argv=None) -> None:
                                    vae_inversion_steps=cfg.model.vae_inversion_steps)
     tick = time.perf_counter()
     data.ensure_cache(engine, cfg.rollout.resolution, cfg.model.max_sequence_length, progress=True)
-    print(f"data.latent_cache={cfg.data.latent_cache}: {len(data.cache)} pairs in {time.perf_counter() - tick:.1f} s ({data.stats})")
+    print(f"data.latent_cache={data.cache_dir}: {len(data.cache)} pairs in {time.perf_counter() - tick:.1f} s ({data.stats})")
 
 
 if __name__ == "__main__":

@@ -19,9 +19,18 @@ class DataConfig:
     # Processes decoding the pairs' images (0: in the driver, between steps).
     num_workers: int = 0
     # A directory of VAE latents and text embeddings of the pairs, built once (on the first
-    # run, or by scripts/cache_latents.py) and memory-mapped after; None: encode every step.
-    latent_cache: Optional[str] = None
+    # run, or by scripts/cache_latents.py) and memory-mapped after. "auto": when the images are
+    # encoded by inverting the decoder (model.vae_inversion_steps > 0, the tiny models: 100
+    # decoder passes an image), a directory under model.cache_dir named by the model and the
+    # data, shared by the runs on them; otherwise, as null, each pair is encoded every time a
+    # step or an evaluation uses it (a real VAE's encoder is one pass, and a real set's text
+    # embeddings can take terabytes: name a directory to cache them).
+    latent_cache: Optional[str] = "auto"
     # Skip (and count in the log) pairs with a bad row instead of stopping at the first.
     skip_bad_rows: bool = False
-    # Share of the pairs held out to measure implicit accuracy.
+    # Share of the pairs held out to measure implicit accuracy (never trained on).
     pairs_eval_fraction: float = 0.2
+    # Held-out pairs scored at each evaluation: the first this many of the held-out share
+    # (a seeded choice, the same at every evaluation); None: all of them (at Pick-a-Pic's
+    # size, 200,000 pairs an evaluation).
+    pairs_eval_max: Optional[int] = 256

@@ -22,6 +22,8 @@ differs from the run's is refused with a message naming each difference.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -98,6 +100,22 @@ def cache_key(cfg, source, family, model_dir: Path) -> dict:
     }
 
 
+AUTO = "auto"
+
+
+def cache_directory(setting: Optional[str], key: dict, cache_dir, inversion_steps: int) -> Optional[Path]:
+    """Where the run's latent cache lives (`data.latent_cache`): a directory the user named;
+    for "auto", when the images are encoded by inverting the decoder (`inversion_steps`
+    passes a pair, the tiny models), a directory under `cache_dir` named by the key, so runs
+    on the same model and data share it; otherwise None (pairs encoded as training reaches them)."""
+    if not setting or (setting == AUTO and not inversion_steps):
+        return None
+    if setting != AUTO:
+        return Path(setting).expanduser()
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cache_dir).expanduser() / "latents" / f"{key['family']}-{digest}"
+
+
 KEY_NAMES = {
     "version": "cache format version",
     "family": "model.family",
@@ -161,6 +179,20 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
 
 def is_complete(directory) -> bool:
     return (Path(directory).expanduser() / "manifest.json").is_file()
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path):
+    """Held while a cache is checked and built: two runs that want the same cache (the
+    default one under model.cache_dir) build it once, the second reading what the first built.
+    An advisory flock, released by the kernel however the holder ends."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f".{directory.name}.lock", "a+") as stream:
+        fcntl.flock(stream, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(stream, fcntl.LOCK_UN)
 
 
 def _as_list(items):
