@@ -73,7 +73,7 @@ class WeightedReward:
         valid = torch.isfinite(scores["reward"])
         if self.nonfinite == "fail" and not valid.all():
             bad = {name: int((~torch.isfinite(scores[name])).sum()) for name in self.rewards}
-            named = ", ".join(f"'{n}' on {k} of {len(valid)} images" for n, k in bad.items() if k)
+            named = ", ".join(f"'{n}'{self.rewards[n].source()} on {k} of {len(valid)} images" for n, k in bad.items() if k)
             raise NonFiniteReward(
                 f"non-finite reward during {where}: {named or f'the weighted sum on {int((~valid).sum())} images'}; "
                 f"reward.nonfinite=drop leaves such images out instead"

@@ -60,3 +60,7 @@ class Reward:
 
     def score(self, images: torch.Tensor, prompts: List[str]) -> torch.Tensor:
         raise NotImplementedError
+
+    def source(self) -> str:
+        """Where the scores come from, for messages about them ("" in process; a server's URL)."""
+        return ""

@@ -54,6 +54,8 @@ def fault_app(behaviour, seen):
             await asyncio.sleep(1.0)
         if behaviour == "refuse":
             return fastapi.Response("prompt 0 has no tag", status_code=422)
+        if behaviour == "nan":  # as Python's json writes a NaN score (the protocol lets one through)
+            return fastapi.Response("{\"scores\": [NaN, 1.0, 2.0, NaN, 3.0]}", media_type="application/json")
         return {"scores": [float(len(p)) for p in body["prompts"]]}
 
     return app
@@ -212,3 +214,17 @@ def test_server_failing_mid_run_stops_it_naming_reward_url_and_step(tiny_cache, 
     assert f"reward 'http': POST {url}/score failed 2 times" in message and "HTTP 503: out of memory" in message
     assert "during training step 1. Training stopped: no checkpoint was saved yet" in message
     assert seen == [1, 8, 8]  # the evaluation, then one training batch tried twice
+
+
+def test_server_answering_nan_is_named_by_its_url():
+    from omni.rewards import NonFiniteReward
+
+    with uvicorn_server(fault_app("nan", [])) as url:
+        reward = WeightedReward({"http": {"url": url, "retries": 0}})
+        reward.setup()
+        try:
+            scores = reward(IMAGES, PROMPTS)
+            with pytest.raises(NonFiniteReward, match=rf"during training step 3: 'http' \(served by {url}\) on 2 of 5 images"):
+                reward.finite(scores, "training step 3")
+        finally:
+            reward.teardown()
