@@ -32,6 +32,7 @@ from omni.loggers import MetricsLogger
 from omni.models import get_family
 from omni.rewards import WeightedReward
 from omni.rewards.base import RewardUnavailable
+from omni.rollout.engine_client import EngineError, EngineUnreachable
 from omni.run_lock import RunLock
 from omni.workers import WorkerFailure, build_actor_rollout
 
@@ -220,7 +221,7 @@ def run(cfg: DictConfig | TrainConfig) -> float:
         try:
             trainer.setup()
             return trainer.train()
-        except (WorkerFailure, TrainingStopped, RewardUnavailable) as failure:
+        except (WorkerFailure, TrainingStopped, RewardUnavailable, EngineUnreachable, EngineError) as failure:
             raise type(failure)(f"{failure}; during {trainer.position}. Training stopped: {kept(trainer)}") from None
         except KeyboardInterrupt:
             print(f"\ninterrupted during {trainer.position}. {kept(trainer)}", flush=True)

@@ -259,3 +259,45 @@ def wait_for_exit(pid: int, timeout: float) -> bool:
         time.sleep(0.5)
     psutil.Process(pid).kill()
     return False
+
+
+def test_killed_engine_is_named_with_the_step_and_the_last_checkpoint(tiny_cache, tmp_path):
+    """The engine process (local backend) is killed once the first checkpoint is on disk: the
+    run stops naming the dead process, the training step and the checkpoint to resume from."""
+    import os
+    import re
+    import signal
+    import threading
+
+    import psutil
+
+    from omni.rollout.engine_client import EngineUnreachable
+    from omni.trainer import run
+
+    run_dir = tmp_path / "run"
+    overrides = [
+        "rollout=vllm", "rollout.options.backend=local", "rollout.options.retries=0", "trainer.steps=4", "trainer.save_every=1",
+        "trainer.batch_size=4", "algorithm.group_size=2", "trainer.eval_images_per_prompt=1", "trainer.progress_bar=false",
+        f"model.cache_dir={tiny_cache}",
+    ]
+    killed = []
+
+    def kill_after_first_checkpoint():
+        while not (run_dir / "checkpoints" / "step_000001").is_dir():
+            if time.sleep(0.1) or len(killed):
+                return
+        engines = [p for p in psutil.Process().children(recursive=True) if "omni.rollout.vllm_server" in " ".join(p.cmdline())]
+        assert len(engines) == 1
+        os.kill(engines[0].pid, signal.SIGKILL)
+        killed.append(engines[0].pid)
+
+    threading.Thread(target=kill_after_first_checkpoint, daemon=True).start()
+    with pytest.raises(EngineUnreachable) as raised:
+        run(compose_config(overrides, run_dir))
+    killed.append(None)  # stops the watcher if the run ended first
+    message = str(raised.value)
+    assert f"the rollout engine process (pid {killed[0]}) is gone: killed by signal 9; its log: " in message, message
+    step = re.search(r"during training step (\d+)\. Training stopped: ", message)
+    assert step, message
+    last = run_dir / "checkpoints" / f"step_{int(step.group(1)) - 1:06d}"
+    assert f"the last checkpoint, {last}, is intact; continue with trainer.resume=auto" in message, message
