@@ -25,11 +25,21 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def build_app(reward: WeightedReward):
-    """The ASGI app serving `reward` (set up by the caller): GET /health, POST /score."""
+    """The ASGI app serving `reward` (set up by the caller): GET /health, POST /score; the
+    bodies are `omni.rewards.schemas`' models, which /docs shows."""
     fastapi, _ = import_server("the reward server")
-    app = fastapi.FastAPI(title="omni-recipes reward server")
+    from fastapi.exceptions import RequestValidationError
+
+    from omni.rewards.schemas import Health, Problem, ScoreRequest, ScoreResponse
+
+    app = fastapi.FastAPI(title="omni-recipes reward server", description=__doc__)
     one_at_a_time = OneAtATime("reward")
     names = list(reward.rewards)
+
+    @app.exception_handler(RequestValidationError)
+    async def refused(request, error):  # 400 with what is wrong, as the protocol says (not FastAPI's 422)
+        where = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in error.errors())
+        return fastapi.responses.JSONResponse({"detail": f"bad request body ({where})"}, status_code=400)
 
     def score(body) -> bytes:
         try:
@@ -47,17 +57,14 @@ def build_app(reward: WeightedReward):
             logger.exception("scoring %d images failed", len(prompts))
             raise fastapi.HTTPException(status_code=500, detail=f"{type(error).__name__}: {error}") from None
 
-    @app.get("/health")
+    @app.get("/health", response_model=Health)
     def health():
-        return {"ok": True, "reward": names}
+        return Health(ok=True, reward=names)
 
-    @app.post("/score")
-    async def score_route(request: fastapi.Request):
-        try:
-            body = await request.json()
-        except ValueError:
-            raise fastapi.HTTPException(status_code=400, detail="the body is not JSON") from None
-        answer = await one_at_a_time(score, body)
+    @app.post("/score", response_model=ScoreResponse, responses={400: {"model": Problem}, 500: {"model": Problem}})
+    async def score_route(body: ScoreRequest):
+        answer = await one_at_a_time(score, body.model_dump())
+        # written by scores_answer, not by the model: NaN must stay NaN (pydantic writes null)
         return fastapi.Response(content=answer, media_type="application/json")
 
     return app

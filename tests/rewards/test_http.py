@@ -228,3 +228,24 @@ def test_server_answering_nan_is_named_by_its_url():
                 reward.finite(scores, "training step 3")
         finally:
             reward.teardown()
+
+
+def test_docs_describe_the_protocol_and_a_bad_body_is_refused_naming_the_field():
+    """The server's bodies are pydantic models: /openapi.json (what /docs shows) has them, and
+    a body that does not fit is a 400 (refused, not retried) that names the field."""
+    import httpx
+
+    reward = WeightedReward({"brightness": {}})
+    with uvicorn_server(build_app(reward)) as url:
+        spec = httpx.get(f"{url}/openapi.json").json()
+        assert httpx.get(f"{url}/docs").status_code == 200
+        schemas = spec["components"]["schemas"]
+        assert set(schemas["ScoreRequest"]["properties"]) == {"prompts", "images", "metadata"}
+        assert schemas["ScoreResponse"]["properties"]["scores"]["type"] == "array"
+        assert spec["paths"]["/score"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ScoreRequest")
+        assert set(schemas["Health"]["properties"]) == {"ok", "reward"}
+        bad = httpx.post(f"{url}/score", json={"prompts": "a cat", "images": []})
+        assert bad.status_code == 400 and "prompts" in bad.json()["detail"]
+        assert httpx.post(f"{url}/score", content=b"{not json", headers={"Content-Type": "application/json"}).status_code == 400
+        answer = httpx.post(f"{url}/score", json=score_request(IMAGES[:2], PROMPTS[:2]))  # the client's body, unchanged
+        assert answer.status_code == 200 and len(answer.json()["scores"]) == 2
