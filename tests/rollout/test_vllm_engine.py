@@ -159,6 +159,24 @@ def test_engine_error_reaches_the_driver(started_engine):
         started_engine.update_weights({k: torch.zeros(1) for k in plain_base_names(build_tiny_transformer())}, False, None)
 
 
+def test_docs_describe_each_message_and_a_bad_one_is_refused_naming_the_field(started_engine):
+    """The engine's JSON per route is a pydantic model: /openapi.json (what /docs shows) has
+    each, and a message without a field is refused (422, the engine's own error) naming it."""
+    import httpx
+
+    from omni.rollout.engine_client import EngineError
+    from omni.rollout.transport import pack
+
+    spec = httpx.get(f"{started_engine.url}/openapi.json").json()
+    generate = spec["paths"]["/generate"]["post"]["requestBody"]["content"]["application/octet-stream"]
+    assert set(generate["x-omni-json-metadata"]["properties"]) == {"prompts", "seeds", "options"}
+    sync = spec["paths"]["/update_weights"]["post"]["responses"]["200"]["content"]["application/octet-stream"]
+    assert "has_base" in sync["x-omni-json-metadata"]["properties"]
+    assert {"has_base", "model", "family", "backend"} <= set(spec["components"]["schemas"]["EngineHealth"]["properties"])
+    with pytest.raises(EngineError, match=r"HTTP 422: /generate: the message's JSON does not fit GenerateMeta \(seeds: Field required; options.num_steps: Field"):
+        started_engine.client.post("generate", pack(meta={"prompts": ["a red cat"], "options": {}}))
+
+
 @pytest.mark.slow
 def test_shutdown_stops_the_engine_process(tiny_sd3_dir, tmp_path):
     engine = VllmEngine.start(FAMILY, VllmOptions(backend="local", startup_timeout=300), tiny_sd3_dir, torch.device("cpu"), torch.float32, 2, True, tmp_path)
