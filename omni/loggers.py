@@ -10,11 +10,14 @@ from moviepy 2, and otherwise logs nothing but a printed line).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Dict, Optional
 
 import torch
 from omegaconf import OmegaConf
+
+log = logging.getLogger(__name__)
 
 
 def image_grid(images: torch.Tensor, columns: int = 8) -> torch.Tensor:
@@ -48,10 +51,12 @@ class MetricsLogger:
 
             self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"))
 
-    def log(self, metrics: Dict[str, float], step: int, echo=print, force_console: bool = False) -> None:
+    def log(self, metrics: Dict[str, float], step: int, force_console: bool = False) -> None:
+        """`metrics` to every backend; the console backend writes them through `logging` (the
+        console and Hydra's `<job>.log` in the run directory) every `console_every` steps."""
         if "console" in self.backends and (force_console or step % self.console_every == 0):
             shown = " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
-            echo(f"step {step}: {shown}")
+            log.info("step %d: %s", step, shown)
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         if self.tensorboard is not None:
@@ -86,7 +91,8 @@ class MetricsLogger:
         if self.wandb is not None:
             import wandb
 
-            self.wandb.log({tag: wandb.Video(str(path), fps=self.fps, format="mp4")}, step=step)
+            # the mp4 carries its frame rate; wandb ignores (and warns about) an fps given with a file
+            self.wandb.log({tag: wandb.Video(str(path), format="mp4")}, step=step)
         if self.tensorboard is not None:
             from tensorboard.compat.proto.summary_pb2 import Summary
 
