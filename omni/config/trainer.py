@@ -45,6 +45,6 @@ class TrainerConfig:
     # Exponential moving average of the LoRA, updated after every step (omni/ema.py); when set,
     # evaluations and exported checkpoints use the average. None: off.
     ema_decay: Optional[float] = None
-    # Only evaluate (the initial or resumed policy): needs trainer.steps=0.
+    # Only evaluate (the initial or resumed policy) and exit; trainer.steps is not used.
     eval_only: bool = False
     progress_bar: bool = True

@@ -285,13 +285,10 @@ def check_vllm_rollout(rollout, family: str) -> None:
 
 def check_trainer(cfg: TrainConfig) -> None:
     trainer = cfg.trainer
-    if trainer.eval_only:
-        require(trainer.steps == 0, f"trainer.eval_only=true evaluates without training: set trainer.steps=0 (not {trainer.steps})")
-    else:
-        require(
-            trainer.steps >= 1,
-            f"trainer.steps={trainer.steps}: a run trains at least 1 step; to only evaluate, set trainer.eval_only=true trainer.steps=0",
-        )
+    require(
+        trainer.eval_only or trainer.steps >= 1,
+        f"trainer.steps={trainer.steps}: a run trains at least 1 step; to only evaluate, set trainer.eval_only=true",
+    )
     require(
         trainer.ema_decay is None or 0 < trainer.ema_decay < 1,
         f"trainer.ema_decay={trainer.ema_decay} must be in (0, 1) (the weight of the previous average), or null for no EMA",
