@@ -89,3 +89,15 @@ def test_video_logging_without_an_mp4_encoder_fails_at_validation(tmp_path, tiny
     validate(compose_config(overrides, tmp_path))  # no video logged: no encoder needed
     with pytest.raises(ConfigError, match=r"logger.image_every=2 .*omni-recipes\[video\]"):
         validate(compose_config(overrides + ["logger.image_every=2"], tmp_path))
+
+
+def test_video_logging_warns_of_nothing(tmp_path, tiny_cache, capfd, monkeypatch):
+    """wandb warns when given an fps with a file (the mp4 carries its own frame rate)."""
+    monkeypatch.setenv("WANDB_SILENT", "false")  # wandb's warnings printed, as a user sees them
+    cfg = validate(compose_config(["logger=wandb", "logger.wandb_mode=offline", f"model.cache_dir={tiny_cache}", "rollout.fps=8"], tmp_path))
+    logger = MetricsLogger(cfg, tmp_path)
+    logger.log_images(torch.rand(2, 3, 3, 8, 8), step=1)
+    logger.close()
+    captured = capfd.readouterr()
+    assert "wandb" in captured.err  # wandb speaks here (its sync hint), so a warning would show
+    assert "WARNING" not in captured.out + captured.err, captured.err
