@@ -54,3 +54,11 @@ def test_eval_only_alone_evaluates_and_exits(tmp_path, tiny_cache):
     assert "eval-only run (trainer.eval_only=true, no training)" in result.stdout
     assert "eval-only run" in (tmp_path / "train.log").read_text()
     assert not (tmp_path / "checkpoints").exists() and "flow_grpo:" not in result.stderr  # no step, no bar
+
+
+def test_reward_metrics_carry_the_rewards_name(tmp_path, tiny_cache):
+    """`reward=frame_brightness` (each frame's brightness, averaged over the clip) is logged as
+    such, not as the generic `frame_average` that computes it."""
+    result = cli(tmp_path, tiny_cache, "model=wan_tiny", "reward=frame_brightness", "trainer.eval_only=true")
+    assert "eval/frame_brightness=" in (tmp_path / "train.log").read_text()
+    assert "frame_average" not in result.stdout
