@@ -34,6 +34,7 @@ from omni.models import get_family
 from omni.rewards import WeightedReward
 from omni.rewards.base import RewardUnavailable
 from omni.run_lock import RunLock
+from omni.schedules import lr_factor
 from omni.workers import WorkerFailure, build_actor_rollout
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 # What the progress bar shows: the quantities that move during training (a loss near zero
 # by construction, as GRPO's is, tells nothing), under short names, those a step reports.
 PROGRESS_FIELDS = {"reward/reward": "reward", "train/kl": "kl", "train/clip_fraction": "clipped",
-                   "train/implicit_accuracy": "accuracy", "train/reward_margin": "margin", "train/grad_norm": "grad"}
+                   "train/implicit_accuracy": "accuracy", "train/reward_margin": "margin", "train/grad_norm": "grad", "train/lr": "lr"}
 
 
 def progress_fields(metrics: Dict[str, float]) -> Dict[str, str]:
@@ -151,7 +152,8 @@ class Trainer:
         with logging_redirect_tqdm():  # log lines above the bar, not through it
             for step in bar:
                 self.position = f"training step {step + 1}"
-                metrics = self.algorithm.step(step)
+                lr = self.worker.set_lr(trainer.lr * lr_factor(step, trainer.steps, trainer.lr_schedule.value, trainer.warmup_steps))
+                metrics = {**self.algorithm.step(step), "train/lr": lr}
                 if self.ema is not None:
                     self.ema.update(self.worker.lora_state_dict())
                 self.count_bad_step(metrics, step + 1)

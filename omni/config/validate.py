@@ -295,6 +295,10 @@ def check_trainer(cfg: TrainConfig) -> None:
     )
     require(trainer.max_bad_steps >= 1, f"trainer.max_bad_steps={trainer.max_bad_steps} must be >= 1")
     require(trainer.lr > 0, f"trainer.lr={trainer.lr} must be positive")
+    require(
+        trainer.eval_only or 0 <= trainer.warmup_steps < trainer.steps,
+        f"trainer.warmup_steps={trainer.warmup_steps} must be in [0, trainer.steps={trainer.steps})",
+    )
     require(trainer.batch_size > 0, f"trainer.batch_size={trainer.batch_size} must be positive")
     require(trainer.micro_batch_size > 0, f"trainer.micro_batch_size={trainer.micro_batch_size} must be positive")
     require(trainer.max_grad_norm >= 0, f"trainer.max_grad_norm={trainer.max_grad_norm} must be >= 0")

@@ -62,3 +62,17 @@ def test_reward_metrics_carry_the_rewards_name(tmp_path, tiny_cache):
     result = cli(tmp_path, tiny_cache, "model=wan_tiny", "reward=frame_brightness", "trainer.eval_only=true")
     assert "eval/frame_brightness=" in (tmp_path / "train.log").read_text()
     assert "frame_average" not in result.stdout
+
+
+def logged(log: str, key: str):
+    """{step: value} of `key` in the metric lines of a train.log."""
+    return {int(step): float(value) for step, value in re.findall(rf"step (\d+): .*\b{re.escape(key)}=([-\d.e+]+)", log)}
+
+
+def test_learning_rate_warms_up_then_follows_the_schedule(tmp_path, tiny_cache):
+    """The rate the optimizer holds at each step, as the worker reports it: a warm-up step
+    at half the rate, then half a cosine."""
+    cli(tmp_path, tiny_cache, "trainer.steps=3", "trainer.lr=0.01", "trainer.lr_schedule=cosine", "trainer.warmup_steps=1",
+        "logger.console_every=1", "trainer.progress_bar=false")
+    rates = logged((tmp_path / "train.log").read_text(), "train/lr")
+    assert rates == pytest.approx({1: 0.005, 2: 0.01, 3: 0.005}), rates
