@@ -346,7 +346,12 @@ def check_workers(cfg: TrainConfig) -> None:
 
 
 def check_logger(logger, family: ModelFamily) -> None:
-    """Cadences; a video model's logged clips are mp4 files, whose encoder must be installed."""
+    """Cadences; each chosen backend is installed; a video model's logged clips are mp4
+    files, whose encoder must be installed."""
+    from omni.loggers import missing_backends
+
+    missing = missing_backends([backend.value for backend in logger.backends])
+    require(not missing, "; ".join(f"logger.backends has {name}, which is not installed: {fix}" for name, fix in missing.items()))
     require(logger.console_every >= 1, f"logger.console_every={logger.console_every} must be >= 1")
     require(logger.image_every >= 0, f"logger.image_every={logger.image_every} must be >= 0")
     if family.video and logger.image_every:

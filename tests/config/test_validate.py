@@ -69,7 +69,7 @@ BAD_AT_COMPOSITION = [
     (["trainer.lr_schedule=step"], "trainer.lr_schedule"),
     (["rollout.engine=sglang"], "rollout.engine"),
     (["algorithm=mix_grpo_flash", "rollout.ode_solver=rk4"], "rollout.ode_solver"),
-    (["logger.backends=[console,mlflow]"], "logger.backends"),
+    (["logger.backends=[console,neptune]"], "logger.backends"),
     (["algorithm=dpo", "algorithm.sigma_sampling=normal"], "algorithm.sigma_sampling"),
     (["rollout.options.url=http://x"], "options"),
     (["reward.components.brightness.quality=3"], "quality"),
