@@ -80,7 +80,7 @@ class MetricsLogger:
             for key, value in metrics.items():
                 self.tensorboard.add_scalar(key, value, step)
         if self.mlflow is not None:
-            self.mlflow.log_metrics({key.replace("/", "."): value for key, value in metrics.items()}, step=step)
+            self.mlflow.log_metrics(metrics, step=step)
 
     def log_images(self, images: torch.Tensor, step: int, tag: str = "rollout/images") -> None:
         """One grid of `images` (in [0, 1]; clips: a row of frames each) to every image backend, as 8-bit pixels: wandb
@@ -138,6 +138,6 @@ def start_mlflow_run(run, output_dir: Path, config: dict):
     mlflow.set_tracking_uri(run.mlflow_tracking_uri or (output_dir / "mlruns").resolve().as_uri())
     if run.group:
         mlflow.set_experiment(run.group)
-    mlflow.start_run(run_name=run.run_name, tags={tag: "" for tag in run.tags})
+    mlflow.start_run(run_name=run.run_name, tags={tag: "true" for tag in run.tags})
     mlflow.log_dict(config, "config.json")
     return mlflow
