@@ -20,6 +20,7 @@ from typing import Dict, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from omni import checkpoint
 from omni.algorithms import get_algorithm
@@ -34,9 +35,20 @@ from omni.rewards import WeightedReward
 from omni.rewards.base import RewardUnavailable
 from omni.rollout.engine_client import EngineError, EngineUnreachable
 from omni.run_lock import RunLock
+from omni.schedules import lr_factor
 from omni.workers import WorkerFailure, build_actor_rollout
 
 logger = logging.getLogger(__name__)
+
+
+# What the progress bar shows: the quantities that move during training (a loss near zero
+# by construction, as GRPO's is, tells nothing), under short names, those a step reports.
+PROGRESS_FIELDS = {"reward/reward": "reward", "train/kl": "kl", "train/clip_fraction": "clipped",
+                   "train/implicit_accuracy": "accuracy", "train/reward_margin": "margin", "train/grad_norm": "grad", "train/lr": "lr"}
+
+
+def progress_fields(metrics: Dict[str, float]) -> Dict[str, str]:
+    return {short: f"{metrics[key]:.3g}" for key, short in PROGRESS_FIELDS.items() if key in metrics}
 
 
 class TrainingStopped(RuntimeError):
@@ -129,35 +141,37 @@ class Trainer:
 
     # ----------------------------------------------------------------- training
     def train(self) -> float:
-        trainer, logger = self.cfg.trainer, self.ctx.logger
+        trainer, metrics_log = self.cfg.trainer, self.ctx.logger
         self.position = "the evaluation before training"
         initial = self.evaluate()
-        logger.log(self.eval_metrics(initial), self.start_step, echo=tqdm.write, force_console=True)
+        metrics_log.log(self.eval_metrics(initial), self.start_step, force_console=True)
         if trainer.eval_only:
             reward = float(initial["reward"].mean())
-            print(f"eval-only run (trainer.eval_only=true, no training): held-out reward {reward:.4f} at step {self.start_step}")
+            logger.info("eval-only run (trainer.eval_only=true, no training): held-out reward %.4f at step %d", reward, self.start_step)
             return reward
         bar = tqdm(range(self.start_step, trainer.steps), desc=self.cfg.algorithm.name, disable=not trainer.progress_bar, initial=self.start_step, total=trainer.steps)
-        for step in bar:
-            self.position = f"training step {step + 1}"
-            metrics = self.algorithm.step(step)
-            if self.ema is not None:
-                self.ema.update(self.worker.lora_state_dict())
-            self.count_bad_step(metrics, step + 1)
-            bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.4f}" for k in ("reward/reward", "train/loss") if k in metrics})
-            done = step + 1
-            if trainer.eval_every and done % trainer.eval_every == 0 and done < trainer.steps:
-                metrics.update(self.eval_metrics(self.evaluate()))
-            logger.log(metrics, done, echo=tqdm.write)
-            if trainer.save_every and done % trainer.save_every == 0 and done < trainer.steps:
-                self.save_checkpoint(done)
+        with logging_redirect_tqdm():  # log lines above the bar, not through it
+            for step in bar:
+                self.position = f"training step {step + 1}"
+                lr = self.worker.set_lr(trainer.lr * lr_factor(step, trainer.steps, trainer.lr_schedule.value, trainer.warmup_steps))
+                metrics = {**self.algorithm.step(step), "train/lr": lr}
+                if self.ema is not None:
+                    self.ema.update(self.worker.lora_state_dict())
+                self.count_bad_step(metrics, step + 1)
+                bar.set_postfix(progress_fields(metrics), refresh=False)
+                done = step + 1
+                if trainer.eval_every and done % trainer.eval_every == 0 and done < trainer.steps:
+                    metrics.update(self.eval_metrics(self.evaluate()))
+                metrics_log.log(metrics, done)
+                if trainer.save_every and done % trainer.save_every == 0 and done < trainer.steps:
+                    self.save_checkpoint(done)
         self.position = "the final evaluation"
         final = self.evaluate()
-        logger.log(self.eval_metrics(final), trainer.steps, echo=tqdm.write, force_console=True)
+        metrics_log.log(self.eval_metrics(final), trainer.steps, force_console=True)
         self.save_checkpoint(trainer.steps)
         self.write_eval_summary(initial["reward"], final["reward"])
         before, after = float(initial["reward"].mean()), float(final["reward"].mean())
-        print(f"eval reward (held-out prompts and seeds): before {before:.4f} -> after {after:.4f}")
+        logger.info("eval reward (held-out prompts and seeds): before %.4f -> after %.4f", before, after)
         return after
 
     def count_bad_step(self, metrics: Dict[str, float], step: int) -> None:
@@ -224,7 +238,7 @@ def run(cfg: DictConfig | TrainConfig) -> float:
         except (WorkerFailure, TrainingStopped, RewardUnavailable, EngineUnreachable, EngineError) as failure:
             raise type(failure)(f"{failure}; during {trainer.position}. Training stopped: {kept(trainer)}") from None
         except KeyboardInterrupt:
-            print(f"\ninterrupted during {trainer.position}. {kept(trainer)}", flush=True)
+            logger.error("interrupted during %s. %s", trainer.position, kept(trainer))
             raise SystemExit(130) from None
         finally:
             trainer.cleanup()

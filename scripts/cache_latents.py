@@ -24,7 +24,9 @@ def run_config(overrides):
     from omni.config.validate import validate
 
     register_configs()
-    conf = str(Path(__file__).resolve().parents[1] / "conf")
+    from omni.config import CONF_DIR
+
+    conf = str(CONF_DIR)
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
         return validate(compose("train", overrides=["output_dir=/tmp/cache-latents", *overrides]))
 

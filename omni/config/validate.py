@@ -285,19 +285,20 @@ def check_vllm_rollout(rollout, family: str) -> None:
 
 def check_trainer(cfg: TrainConfig) -> None:
     trainer = cfg.trainer
-    if trainer.eval_only:
-        require(trainer.steps == 0, f"trainer.eval_only=true evaluates without training: set trainer.steps=0 (not {trainer.steps})")
-    else:
-        require(
-            trainer.steps >= 1,
-            f"trainer.steps={trainer.steps}: a run trains at least 1 step; to only evaluate, set trainer.eval_only=true trainer.steps=0",
-        )
+    require(
+        trainer.eval_only or trainer.steps >= 1,
+        f"trainer.steps={trainer.steps}: a run trains at least 1 step; to only evaluate, set trainer.eval_only=true",
+    )
     require(
         trainer.ema_decay is None or 0 < trainer.ema_decay < 1,
         f"trainer.ema_decay={trainer.ema_decay} must be in (0, 1) (the weight of the previous average), or null for no EMA",
     )
     require(trainer.max_bad_steps >= 1, f"trainer.max_bad_steps={trainer.max_bad_steps} must be >= 1")
     require(trainer.lr > 0, f"trainer.lr={trainer.lr} must be positive")
+    require(
+        trainer.eval_only or 0 <= trainer.warmup_steps < trainer.steps,
+        f"trainer.warmup_steps={trainer.warmup_steps} must be in [0, trainer.steps={trainer.steps})",
+    )
     require(trainer.batch_size > 0, f"trainer.batch_size={trainer.batch_size} must be positive")
     require(trainer.micro_batch_size > 0, f"trainer.micro_batch_size={trainer.micro_batch_size} must be positive")
     require(trainer.max_grad_norm >= 0, f"trainer.max_grad_norm={trainer.max_grad_norm} must be >= 0")
@@ -345,7 +346,12 @@ def check_workers(cfg: TrainConfig) -> None:
 
 
 def check_logger(logger, family: ModelFamily) -> None:
-    """Cadences; a video model's logged clips are mp4 files, whose encoder must be installed."""
+    """Cadences; each chosen backend is installed; a video model's logged clips are mp4
+    files, whose encoder must be installed."""
+    from omni.loggers import missing_backends
+
+    missing = missing_backends([backend.value for backend in logger.backends])
+    require(not missing, "; ".join(f"logger.backends has {name}, which is not installed: {fix}" for name, fix in missing.items()))
     require(logger.console_every >= 1, f"logger.console_every={logger.console_every} must be >= 1")
     require(logger.image_every >= 0, f"logger.image_every={logger.image_every} must be >= 0")
     if family.video and logger.image_every:

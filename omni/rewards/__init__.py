@@ -1,6 +1,6 @@
 """Rewards: one component per module (`omni/rewards/<name>.py` defines `REWARD`, see
 `omni.rewards.base`), combined by `WeightedReward` into a weighted sum whose components are
-each reported (`reward/<name>`)."""
+each reported under what they measure (`reward/<metric>`: `Reward.metric`)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,9 @@ class WeightedReward:
         for name, raw in components.items():
             options = reward_options(name, raw)
             self.rewards[name] = REWARDS.get(name)(name, options)
+        metrics = [reward.metric for reward in self.rewards.values()]
+        if len(set(metrics)) < len(metrics) or "reward" in metrics:
+            raise ValueError(f"reward.components {list(self.rewards)} would be logged under the same name: {metrics}")
         self.batch_size = batch_size
         self.nonfinite = nonfinite
 
@@ -58,13 +61,13 @@ class WeightedReward:
         return torch.cat(parts)
 
     def component_scores(self, images: torch.Tensor, prompts: List[str]) -> Dict[str, torch.Tensor]:
-        """Each component's scores, from calls of at most its batch size."""
-        return {name: self._score(reward, images, prompts) for name, reward in self.rewards.items()}
+        """Each component's scores by its metric name, from calls of at most its batch size."""
+        return {reward.metric: self._score(reward, images, prompts) for reward in self.rewards.values()}
 
     def combine(self, parts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """The `component_scores` of consecutive parts as one, with their weighted sum as "reward"."""
-        scores = {name: torch.cat([part[name] for part in parts]) for name in self.rewards}
-        scores["reward"] = sum(reward.options.weight * scores[name] for name, reward in self.rewards.items())
+        scores = {reward.metric: torch.cat([part[reward.metric] for part in parts]) for reward in self.rewards.values()}
+        scores["reward"] = sum(reward.options.weight * scores[reward.metric] for reward in self.rewards.values())
         return scores
 
     def finite(self, scores: Dict[str, torch.Tensor], where: str) -> torch.Tensor:
@@ -72,7 +75,7 @@ class WeightedReward:
         an error naming the components, `where` and how many images."""
         valid = torch.isfinite(scores["reward"])
         if self.nonfinite == "fail" and not valid.all():
-            bad = {name: int((~torch.isfinite(scores[name])).sum()) for name in self.rewards}
+            bad = {name: int((~torch.isfinite(scores[reward.metric])).sum()) for name, reward in self.rewards.items()}
             named = ", ".join(f"'{n}'{self.rewards[n].source()} on {k} of {len(valid)} images" for n, k in bad.items() if k)
             raise NonFiniteReward(
                 f"non-finite reward during {where}: {named or f'the weighted sum on {int((~valid).sum())} images'}; "

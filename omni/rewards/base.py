@@ -43,6 +43,12 @@ class Reward:
     def __init__(self, name: str, options: RewardOptions):
         self.name, self.options = name, options
 
+    @property
+    def metric(self) -> str:
+        """The name its scores are logged under (`reward/<metric>`, `eval/<metric>`): what it
+        measures, which for most rewards is its own name."""
+        return self.name
+
     @classmethod
     def check_options(cls, options: RewardOptions, key: str) -> None:
         """Raise ValueError naming `key.<option>` for options that cannot work (a missing file)."""

@@ -13,7 +13,6 @@ one at a time (a reward model is not assumed thread-safe). Needs the `reward-htt
 # run time, and `fastapi` is imported lazily (an extra), so string annotations would not resolve.
 import argparse
 import logging
-from pathlib import Path
 from typing import List, Optional, Sequence
 
 from omni.rewards import REWARDS, WeightedReward, reward_options
@@ -21,7 +20,6 @@ from omni.rewards.protocol import parse_score_request, scores_answer
 from omni.serving import OneAtATime, import_server
 
 logger = logging.getLogger("omni.rewards.serve")
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def build_app(reward: WeightedReward):
@@ -75,10 +73,8 @@ def reward_from_overrides(overrides: Sequence[str]) -> WeightedReward:
     options fail here, naming them, before any reward model loads."""
     from hydra import compose, initialize_config_dir
 
-    from omni.config import register_configs
+    from omni.config import CONF_DIR, register_configs
 
-    if not CONF_DIR.is_dir():
-        raise FileNotFoundError(f"{CONF_DIR}: the reward server composes the repository's conf/ groups; install omni-recipes editable from a checkout")
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=list(overrides))

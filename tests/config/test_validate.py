@@ -42,6 +42,7 @@ BAD = [
     (["model.lora.target_modules=[to_q,to_qq]"], "model.lora.target_modules: ['to_qq']"),
     (["trainer.steps=0"], "trainer.eval_only"),
     (["trainer.max_bad_steps=0"], "trainer.max_bad_steps"),
+    (["trainer.warmup_steps=50"], "trainer.warmup_steps=50 must be in [0, trainer.steps=50)"),
     (["trainer.resume=/nonexistent/ckpt"], "trainer.resume"),
     (["data.train=/nonexistent/prompts.txt"], "data.train"),
     (["data.eval=omni:no_such_set"], "data.eval"),
@@ -65,9 +66,10 @@ BAD = [
 # closed sets and types are checked by the schema when Hydra composes
 BAD_AT_COMPOSITION = [
     (["model.dtype=float64"], "model.dtype"),
+    (["trainer.lr_schedule=step"], "trainer.lr_schedule"),
     (["rollout.engine=sglang"], "rollout.engine"),
     (["algorithm=mix_grpo_flash", "rollout.ode_solver=rk4"], "rollout.ode_solver"),
-    (["logger.backends=[console,mlflow]"], "logger.backends"),
+    (["logger.backends=[console,neptune]"], "logger.backends"),
     (["algorithm=dpo", "algorithm.sigma_sampling=normal"], "algorithm.sigma_sampling"),
     (["rollout.options.url=http://x"], "options"),
     (["reward.components.brightness.quality=3"], "quality"),
