@@ -9,6 +9,8 @@ error names the keys involved) and returns the config the run uses.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import re
 from pathlib import Path
 
 import torch
@@ -40,6 +42,7 @@ def _lookup(getter, *args):
 def check_model(model) -> ModelFamily:
     family = _lookup(get_family, model.family)
     if model.tiny_seed is None:
+        check_not_hub_id(model.path)
         try:
             family.check_path(model.path, "model.path")
         except (OSError, ValueError) as error:
@@ -69,6 +72,18 @@ def check_model(model) -> ModelFamily:
         require(len(model.lora.target_modules) > 0, "model.lora.target_modules is empty")
         check_lora_targets(model, family)
     return family
+
+
+def check_not_hub_id(path) -> None:
+    """A Hugging Face hub id (owner/name, no such local directory) given as model.path."""
+    if not path or Path(path).expanduser().exists() or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", str(path)):
+        return
+    local = f"/ckpt/{str(path).split('/')[-1]}"
+    raise ConfigError(
+        f"model.path={path}: no such local directory; it looks like a Hugging Face hub id, but models load from "
+        f"local directories: download it once (huggingface-cli download {path} --local-dir {local}) and pass "
+        f"model.path={local}"
+    )
 
 
 def check_lora_targets(model, family: ModelFamily) -> None:
@@ -408,13 +423,50 @@ def check_prompts(data, reward) -> None:
 
 
 def to_schema(cfg: DictConfig | TrainConfig) -> TrainConfig:
-    """The schema objects of a composed config (a copy: the caller's config is untouched)."""
+    """The schema objects of a composed config (a copy: the caller's config is untouched).
+    Refuses first a mandatory value left unset and a key no schema has (one appended with
+    `+key=value` gets past Hydra's own check), naming each."""
     if isinstance(cfg, TrainConfig):
         return copy.deepcopy(cfg)
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    require(not missing, "; ".join(f"{key} is mandatory and not set: {field_hint(key) or f'pass {key}=...'}" for key in missing))
+    unknown = unknown_keys(cfg)
+    require(
+        not unknown,
+        "; ".join(f"{key}: no such key (the schema of {parent or 'the run'} has {', '.join(known)})" for key, parent, known in unknown)
+        + "; a key appended with +key=value must still be one the schema has",
+    )
     try:
         return OmegaConf.to_object(cfg)
-    except Exception as error:  # a missing mandatory value or a failing interpolation, named by OmegaConf
+    except Exception as error:  # a failing interpolation, named by OmegaConf
         raise ConfigError(str(error)) from None
+
+
+def field_hint(key: str) -> str | None:
+    """What to pass for a mandatory `key`: its schema field's `hint` metadata, if any."""
+    *parents, name = key.split(".")
+    node = TrainConfig()
+    for part in parents:
+        node = getattr(node, part, None)
+    if not dataclasses.is_dataclass(node):
+        return None
+    field = {f.name: f for f in dataclasses.fields(node)}.get(name)
+    return None if field is None else field.metadata.get("hint")
+
+
+def unknown_keys(node: DictConfig, prefix: str = "") -> list:
+    """(key, its parent, the parent's schema keys) for each key of the composed config that
+    its schema dataclass lacks; an untyped mapping (reward.components) is typed at validation."""
+    schema = OmegaConf.get_type(node)
+    known = sorted(f.name for f in dataclasses.fields(schema)) if dataclasses.is_dataclass(schema) else None
+    found = []
+    for key in node.keys():
+        child = node._get_node(key)
+        if known is not None and key not in known:
+            found.append((f"{prefix}{key}", prefix.rstrip("."), known))
+        elif isinstance(child, DictConfig) and not (child._is_none() or child._is_missing() or child._is_interpolation()):
+            found += unknown_keys(child, f"{prefix}{key}.")
+    return found
 
 
 def resolve(cfg: TrainConfig, family: ModelFamily) -> None:

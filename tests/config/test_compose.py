@@ -117,6 +117,22 @@ def test_unknown_key_fails_naming_it():
     assert "clip_rnge" in str(info.value.__cause__ or info.value)
 
 
+APPENDED = [
+    ("+reward.weights.aesthetic=1.0", "reward.weights: no such key (the schema of reward has batch_size, components"),
+    ("+trainer.lr_warmup=10", "trainer.lr_warmup: no such key"),
+    ("+reward.components.brightness.wieght=2", "reward.components.brightness.wieght: no such key"),
+    ("+model.lora.dropout=0.1", "model.lora.dropout: no such key"),
+]
+
+
+@pytest.mark.parametrize("override,message", APPENDED, ids=[o for o, _ in APPENDED])
+def test_appended_unknown_key_fails_naming_it(override, message, tmp_path):
+    """`+key=value` gets past Hydra's struct check; the schema still refuses the key."""
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config([override], tmp_path))
+    assert str(info.value).startswith(message)
+
+
 def test_wrong_type_fails_naming_it():
     with pytest.raises(ConfigCompositionException) as info:
         compose_config(["model.lora.rank=eight"])
