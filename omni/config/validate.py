@@ -9,6 +9,7 @@ error names the keys involved) and returns the config the run uses.
 from __future__ import annotations
 
 import copy
+import math
 import dataclasses
 import re
 from pathlib import Path
@@ -381,9 +382,20 @@ def check_rewards(reward) -> None:
             REWARDS.get(name).check_options(reward.components[name], f"reward.components.{name}")
         except (KeyError, ValueError) as error:
             raise ConfigError(error.args[0]) from None
+    for name, options in reward.components.items():
+        require(
+            math.isfinite(options.weight),
+            f"reward.components.{name}.weight={options.weight}: a weight must be a finite number",
+        )
+    weights = {f"reward.components.{n}.weight": o.weight for n, o in reward.components.items()}
     require(
-        any(options.weight != 0 for options in reward.components.values()),
-        f"reward.components: every weight is 0 ({ {n: o.weight for n, o in reward.components.items()} }), so the reward is 0",
+        any(weight != 0 for weight in weights.values()),
+        f"reward.components: every weight is 0 ({', '.join(f'{k}={w}' for k, w in weights.items())}), so the reward is 0",
+    )
+    require(
+        abs(sum(weights.values())) > 1e-9 * max(abs(w) for w in weights.values()),
+        f"reward.components: the weights sum to 0 ({' + '.join(f'{k}={w}' for k, w in weights.items())}); "
+        "give weights with a nonzero total (e.g. summing to 1)",
     )
 
 

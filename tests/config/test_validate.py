@@ -22,6 +22,11 @@ BAD = [
     (["+reward.components.aesthetics={}"], "reward.components=aesthetics"),
     (["~reward.components.brightness"], "reward.components"),
     (["reward.components.brightness.weight=0"], "reward.components"),
+    # weights that cancel out, and a NaN or inf weight, found here rather than at the first evaluation
+    (["reward=multi", "reward.components.brightness.weight=1", "reward.components.jpeg_compressibility.weight=-1"],
+     "reward.components: the weights sum to 0 (reward.components.brightness.weight=1.0 + reward.components.jpeg_compressibility.weight=-1.0)"),
+    (["reward.components.brightness.weight=nan"], "reward.components.brightness.weight=nan: a weight must be a finite number"),
+    (["reward=multi", "reward.components.jpeg_compressibility.weight=-inf"], "reward.components.jpeg_compressibility.weight=-inf"),
     (["+reward.components.color={qualty: 3}"], "reward.components.color"),
     (["rollout.num_steps=1"], "rollout.num_steps"),
     (["algorithm=flow_grpo_fast", "algorithm.sde_window_size=20"], "algorithm.sde_window_size"),
