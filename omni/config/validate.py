@@ -129,6 +129,7 @@ def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
     require(rollout.guidance_scale >= 0, f"rollout.guidance_scale={rollout.guidance_scale} must be >= 0 (1 or less: no CFG)")
     require(rollout.micro_batch_size > 0, "rollout.micro_batch_size must be positive")
     check_share_actor(cfg)
+    check_shared_actor_options(cfg)
     check_full_finetuning_sync(cfg)
     require(
         not (rollout.layered_summon and not rollout.load_base),
@@ -169,12 +170,37 @@ def check_share_actor(cfg: TrainConfig) -> None:
     )
 
 
+def check_shared_actor_options(cfg: TrainConfig) -> None:
+    """An engine sampling with the actor's transformer (`shares_actor`, LoRA or full
+    fine-tuning alike) loads no copy of its own and is never synced: the options of its own
+    copy and of the sync would do nothing."""
+    rollout = cfg.rollout
+    if not shares_actor(cfg):
+        return
+    shared = (
+        f"a shared actor (rollout.share_actor={'true' if rollout.share_actor else 'null, shared where possible'}: "
+        f"rollout.engine=diffusers, trainer.n_workers={cfg.trainer.n_workers}"
+        f"{', model.lora=null (full fine-tuning)' if cfg.model.lora is None else ''})"
+    )
+    own_copy = "or rollout.share_actor=false for an engine with a transformer of its own"
+    require(
+        not rollout.layered_summon,
+        f"rollout.layered_summon=true with {shared}: the engine samples with the actor's own transformer and is "
+        f"never synced, so nothing is summoned layer by layer; set rollout.layered_summon=false, {own_copy}",
+    )
+    require(
+        rollout.load_base,
+        f"rollout.load_base=false with {shared}: the engine loads no transformer of its own, so there is no base "
+        f"to leave out; drop rollout.load_base=false, {own_copy}",
+    )
+
+
 def check_full_finetuning_sync(cfg: TrainConfig) -> None:
     """Full fine-tuning (`model.lora=null`) sends the whole transformer at every sync; the
     layered walk syncs only a LoRA onto a base already in the engine."""
     rollout = cfg.rollout
-    if cfg.model.lora is not None or not rollout.layered_summon or (shares_actor(cfg) and rollout.load_base):
-        return  # an engine sampling with the actor is never synced
+    if cfg.model.lora is not None or not rollout.layered_summon or shares_actor(cfg):
+        return  # an engine sampling with the actor is never synced (check_shared_actor_options)
     raise ConfigError(
         "rollout.layered_summon=true with model.lora=null (full fine-tuning): the layered sync sends only a LoRA "
         "onto the base already in the engine, but with full fine-tuning every sync sends the whole new transformer "
