@@ -323,6 +323,31 @@ def check_vllm_rollout(rollout, family: str) -> None:
 
     problem = engine_unavailable(rollout.options, family)
     require(problem is None, f"rollout=vllm: {problem}")
+    if rollout.options.url:
+        probe_engine(rollout.options)
+
+
+# Seconds an engine the run attaches to (rollout.options.url) has to answer /health at validation.
+ENGINE_PROBE_TIMEOUT_S = 5.0
+
+
+def probe_engine(options) -> None:
+    """The engine at rollout.options.url answers /health, within a short timeout and without
+    retries: a wrong or dead URL is named here, not after the transformer has loaded."""
+    from omni.rollout.engine_client import EngineClient
+
+    client = EngineClient(options.url, options)
+    try:
+        client.health(retry=False, timeout=ENGINE_PROBE_TIMEOUT_S)
+    except Exception as error:  # refused, timed out, dropped, or an answer that is not the engine's
+        raise ConfigError(
+            f"rollout.options.url={options.url}: no rollout engine answered GET /health within "
+            f"{ENGINE_PROBE_TIMEOUT_S:g}s ({type(error).__name__}: {str(error)[:200]}); start it "
+            "(ENV/bin/python -m omni.rollout.vllm_server --model ... --port ...) or leave rollout.options.url "
+            "unset for the run to start one"
+        ) from None
+    finally:
+        client.close()
 
 
 def check_trainer(cfg: TrainConfig) -> None:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from omni.distributed import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -38,10 +40,11 @@ CASES = [
      "model.path=stabilityai/stable-diffusion-3.5-medium: no such local directory; it looks like a Hugging Face hub id, "
      "but models load from local directories: download it once (huggingface-cli download "
      "stabilityai/stable-diffusion-3.5-medium --local-dir /ckpt/stable-diffusion-3.5-medium)"),
+    (["rollout=vllm", f"rollout.options.url=http://127.0.0.1:{free_port()}"], "rollout.options.url=http://127.0.0.1:"),
 ]
 
 
-@pytest.mark.parametrize("overrides,message", CASES, ids=["mandatory", "appended-key", "hub-id"])
+@pytest.mark.parametrize("overrides,message", CASES, ids=["mandatory", "appended-key", "hub-id", "engine-url"])
 def test_config_error_is_one_clear_line(overrides, message, tmp_path):
     result = train(*overrides, tmp_path=tmp_path)
     assert result.returncode != 0
