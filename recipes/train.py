@@ -8,18 +8,23 @@ Compose -> validate (before any model loads) -> build -> train. Returns the fina
 evaluation reward, so Hydra sweepers can optimise it.
 """
 
+import logging
+
 import hydra
 from omegaconf import DictConfig
 
 from omni.config import register_configs
+from omni.config.presets import describe_model_algorithm_preset
 
 register_configs()
+log = logging.getLogger("omni.recipes.train")
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     from omni.trainer import run
 
+    log.info(describe_model_algorithm_preset(cfg))
     return run(cfg)
 
 
