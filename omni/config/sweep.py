@@ -51,10 +51,11 @@ def job_problem(config: DictConfig, loader, overrides: Sequence[str], num: int) 
 def sweep_jobs(config: DictConfig, loader) -> List[Sequence[str]]:
     """Each job's overrides as the basic sweeper expands them; for a sampling sweeper, one
     job of the sweep's fixed settings (its trials are drawn later)."""
+    parser = OverridesParser.create(config_loader=loader)
     if config.hydra.sweeper._target_ != BASIC_SWEEPER:
-        return [[]]
+        return [[o.input_line for o in parser.parse_overrides(list(config.hydra.overrides.task)) if not o.is_sweep_override()]]
     params = [f"{key}={value}" for key, value in (config.hydra.sweeper.get("params") or {}).items()]
-    overrides = OverridesParser.create(config_loader=loader).parse_overrides(params + list(config.hydra.overrides.task))
+    overrides = parser.parse_overrides(params + list(config.hydra.overrides.task))
     return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
 
 
@@ -75,4 +76,5 @@ class ValidateSweep(Callback):
         if bad:
             sys.stderr.write(f"the sweep is refused before any job starts, {len(bad)} of its {len(jobs)} jobs cannot run: {'; '.join(bad)}\n")
             raise SystemExit(1)
-        log.info(f"validated the sweep's {len(jobs)} jobs before starting any ({time.perf_counter() - start:.1f}s)")
+        what = f"the sweep's {len(jobs)} jobs" if config.hydra.sweeper._target_ == BASIC_SWEEPER else "the search's fixed settings"
+        log.info(f"validated {what} before starting any job ({time.perf_counter() - start:.1f}s)")

@@ -70,5 +70,16 @@ def test_sweep_with_a_bad_job_is_refused_before_any_job_starts(tmp_path, tiny_ca
 
 def test_sweep_of_good_jobs_runs_them_all(tmp_path, tiny_cache):
     output = sweep(tmp_path, tiny_cache, *SHORT, "trainer.lr=1e-2,2e-2")
-    assert "validated the sweep's 2 jobs before starting any" in output
+    assert "validated the sweep's 2 jobs before starting any job" in output
     assert [final_reward(tmp_path / job) > 0 for job in ("0", "1")] == [True, True]
+
+
+def test_search_with_bad_fixed_settings_is_refused_before_any_trial(tmp_path, tiny_cache):
+    """An Optuna search draws its trials as it goes; its fixed settings are checked first."""
+    command = [sys.executable, "recipes/train.py", "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", f"model.cache_dir={tiny_cache}",
+               "hparams_search=optuna", "experiment=tiny_sweep", "hydra.sweeper.n_trials=1", "trainer.steps=-1"]  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1 and not (tmp_path / "sweep").exists()
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "the sweep is refused before any job starts, 1 of its 1 jobs cannot run: job #0 (the fixed settings): trainer.steps=-1"
+    )
