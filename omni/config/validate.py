@@ -492,7 +492,7 @@ def to_schema(cfg: DictConfig | TrainConfig) -> TrainConfig:
     if isinstance(cfg, TrainConfig):
         return copy.deepcopy(cfg)
     missing = sorted(OmegaConf.missing_keys(cfg))
-    require(not missing, "; ".join(f"{key} is mandatory and not set: {field_hint(key) or f'pass {key}=...'}" for key in missing))
+    require(not missing, "; ".join(f"{key} is mandatory and not set: {field_hint(cfg, key) or f'pass {key}=...'}" for key in missing))
     unknown = unknown_keys(cfg)
     require(
         not unknown,
@@ -505,15 +505,15 @@ def to_schema(cfg: DictConfig | TrainConfig) -> TrainConfig:
         raise ConfigError(str(error)) from None
 
 
-def field_hint(key: str) -> str | None:
-    """What to pass for a mandatory `key`: its schema field's `hint` metadata, if any."""
-    *parents, name = key.split(".")
-    node = TrainConfig()
-    for part in parents:
-        node = getattr(node, part, None)
-    if not dataclasses.is_dataclass(node):
+def field_hint(cfg: DictConfig, key: str) -> str | None:
+    """What to pass for a mandatory `key`: the `hint` metadata of its field in the schema
+    dataclass of its parent node (a group's, or a reward's options), if any."""
+    parent, _, name = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent, throw_on_missing=False) if parent else cfg
+    schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+    if not dataclasses.is_dataclass(schema):
         return None
-    field = {f.name: f for f in dataclasses.fields(node)}.get(name)
+    field = {f.name: f for f in dataclasses.fields(schema)}.get(name)
     return None if field is None else field.metadata.get("hint")
 
 

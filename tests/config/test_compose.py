@@ -41,6 +41,9 @@ def compose_and_validate(choice: dict, tiny_cache, synthetic_pairs, tmp_path):
     if choice.get("algorithm") == "dpo" or choice.get("data") == "pairs":
         overrides.append(f"data.pairs={synthetic_pairs}")
     overrides += REWARD_NEEDS.get(choice.get("reward"), [])
+    if choice.get("data") == "prompts":  # the user's own prompt files: data.train is theirs to name
+        overrides.append(f"data.train={tmp_path / 'prompts.txt'}")
+        (tmp_path / "prompts.txt").write_text("a red apple\na blue car\n")
     if choice.get("model") in VIDEO_MODELS and "reward" not in choice:
         overrides.append("reward=frame_brightness")
     if choice.get("reward") in VIDEO_REWARDS and "model" not in choice:
@@ -48,7 +51,7 @@ def compose_and_validate(choice: dict, tiny_cache, synthetic_pairs, tmp_path):
     cfg = compose_config(overrides, tmp_path)
     if choice.get("reward") in LOCAL_MODEL_REWARDS:
         # a learned reward's checkpoint is a local directory the user names: the error says which key
-        with pytest.raises(ConfigError, match=f"full_key: reward.components.{choice['reward']}.path"):
+        with pytest.raises(ConfigError, match=f"reward.components.{choice['reward']}.path is mandatory and not set: pass"):
             validate(cfg)
         return None
     if cfg.model.tiny_seed is None:
