@@ -1,9 +1,11 @@
 """Rules across config groups, checked after composition and before any model loads.
 
-`validate` converts the composed config once into the schema objects (`TrainConfig` and its
-dataclasses, enums for closed sets), fills what other groups leave to the model family
-(resolution, guidance, LoRA targets; float32 for full fine-tuning, `model.lora=null`), types each reward's options, checks every rule (each
-error names the keys involved) and returns the config the run uses.
+`validate` refuses a mandatory value left unset and a key no schema has, converts the
+composed config once into the schema objects (`TrainConfig` and its dataclasses, enums for
+closed sets), fills what other groups leave to the model family (resolution, guidance, LoRA
+targets; float32 for full fine-tuning, `model.lora=null`), types each reward's options,
+checks every rule (each error names the keys involved; an engine to attach to must answer)
+and returns the config the run uses.
 """
 
 from __future__ import annotations
