@@ -10,16 +10,21 @@ Compose -> validate (before any model loads) -> build -> train. Returns the fina
 reward, so Hydra sweepers can optimise it.
 """
 
+import logging
+
 import hydra
 from omegaconf import DictConfig
 
 from omni.config import CONFIG_PATH, register_configs
+from omni.config.presets import describe_model_algorithm_preset
 
 register_configs()
+log = logging.getLogger("omni.recipes.train")
 
 
 @hydra.main(config_path=CONFIG_PATH, config_name="train", version_base="1.3")
 def train(cfg: DictConfig) -> float:
     from omni.trainer import run
 
+    log.info(describe_model_algorithm_preset(cfg))
     return run(cfg)

@@ -3,7 +3,10 @@
 The config groups ship in the package, in omni/conf/ (`CONF_DIR`; Hydra's `CONFIG_PATH`).
 `omni/conf/train.yaml` starts from the `train_schema` node registered here, so each group's YAML
 merges into a typed dataclass: an unknown key or a wrong type fails at composition, naming
-the key. Defaults live in the dataclasses; the YAML files state only what differs.
+the key (a key appended with `+key=value` gets past Hydra's check; validation's first step,
+`omni.config.validate.to_schema`, refuses it). Defaults live in the dataclasses; the YAML
+files state only what differs, and a mandatory field (`???`) may carry a `hint` in its
+metadata: what the error of a missing value tells the user to pass.
 """
 
 from dataclasses import dataclass, field

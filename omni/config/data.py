@@ -1,7 +1,7 @@
 """Schema of the `data` group: prompt sets (text, JSONL or CSV; see omni.data.prompts) and
 preference pairs (JSONL, parquet, a `datasets` directory, or Pick-a-Pic's layout)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from omegaconf import MISSING
@@ -9,13 +9,22 @@ from omegaconf import MISSING
 
 @dataclass
 class DataConfig:
-    # A path, or `omni:<name>` for a prompt set shipped with the package.
-    train: str = MISSING
+    # A path, or `omni:<name>` for a prompt set shipped with the package. Mandatory: the
+    # data group's options name one; data=prompts (the published-run presets) leaves it to you.
+    # A `hint` says, when the value is missing, what to pass (omni.config.validate).
+    train: str = field(
+        default=MISSING,
+        metadata={"hint": "pass data.train=/path/to/prompts.txt (one prompt a line; JSONL or CSV also read) "
+                          "or data.train=omni:<name> for a set shipped with the package (e.g. omni:colors_train)"},
+    )
     # Held-out prompts for evaluation; None: the train prompts.
     eval: Optional[str] = None
     # Preference pairs for offline DPO: a JSONL or parquet file, a folder or glob of them
     # (shards), or a `datasets` save_to_disk directory; read lazily, never all in memory.
-    pairs: Optional[str] = None
+    pairs: Optional[str] = field(
+        default=None,
+        metadata={"hint": "pass data.pairs=/path/to/pairs.jsonl (or parquet shards, a glob, a datasets directory)"},
+    )
     # Processes decoding the pairs' images (0: in the driver, between steps).
     num_workers: int = 0
     # A directory of VAE latents and text embeddings of the pairs, built once (on the first

@@ -42,6 +42,9 @@ def compose_and_validate(choice: dict, tiny_cache, synthetic_pairs, tmp_path):
     if choice.get("algorithm") == "dpo" or choice.get("data") == "pairs":
         overrides.append(f"data.pairs={synthetic_pairs}")
     overrides += REWARD_NEEDS.get(choice.get("reward"), [])
+    if choice.get("data") == "prompts":  # the user's own prompt files: data.train is theirs to name
+        overrides.append(f"data.train={tmp_path / 'prompts.txt'}")
+        (tmp_path / "prompts.txt").write_text("a red apple\na blue car\n")
     if choice.get("model") in VIDEO_MODELS and "reward" not in choice:
         overrides.append("reward=frame_brightness")
     if choice.get("reward") in VIDEO_REWARDS and "model" not in choice:
@@ -49,7 +52,7 @@ def compose_and_validate(choice: dict, tiny_cache, synthetic_pairs, tmp_path):
     cfg = compose_config(overrides, tmp_path)
     if choice.get("reward") in LOCAL_MODEL_REWARDS:
         # a learned reward's checkpoint is a local directory the user names: the error says which key
-        with pytest.raises(ConfigError, match=f"full_key: reward.components.{choice['reward']}.path"):
+        with pytest.raises(ConfigError, match=f"reward.components.{choice['reward']}.path is mandatory and not set: pass"):
             validate(cfg)
         return None
     if cfg.model.tiny_seed is None:
@@ -121,6 +124,22 @@ def test_unknown_key_fails_naming_it():
     with pytest.raises(ConfigCompositionException) as info:
         compose_config(["algorithm.clip_rnge=0.1"])
     assert "clip_rnge" in str(info.value.__cause__ or info.value)
+
+
+APPENDED = [
+    ("+reward.weights.aesthetic=1.0", "reward.weights: no such key (the schema of reward has batch_size, components"),
+    ("+trainer.lr_warmup=10", "trainer.lr_warmup: no such key"),
+    ("+reward.components.brightness.wieght=2", "reward.components.brightness.wieght: no such key"),
+    ("+model.lora.dropout=0.1", "model.lora.dropout: no such key"),
+]
+
+
+@pytest.mark.parametrize("override,message", APPENDED, ids=[o for o, _ in APPENDED])
+def test_appended_unknown_key_fails_naming_it(override, message, tmp_path):
+    """`+key=value` gets past Hydra's struct check; the schema still refuses the key."""
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config([override], tmp_path))
+    assert str(info.value).startswith(message)
 
 
 def test_wrong_type_fails_naming_it():
