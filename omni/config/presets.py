@@ -1,5 +1,5 @@
 """What the `model_algorithm` pair preset of a run set: the settings that apply to one model
-with one algorithm (conf/model_algorithm/<model>_<algorithm>.yaml, chosen by Hydra's
+with one algorithm (omni/conf/model_algorithm/<model>_<algorithm>.yaml, chosen by Hydra's
 `optional model_algorithm: ${model}_${algorithm}` default), which the log names since no
 command line shows them (the tiny SD3 with Flow-GRPO trains at lr 1e-2 through one)."""
 
@@ -56,4 +56,4 @@ def describe_model_algorithm_preset(cfg: DictConfig) -> Optional[str]:
     for key, value in preset_settings(loader, name).items():
         now = OmegaConf.select(cfg, key)
         settings.append(f"{key}={value}" + ("" if now == value else f" (overridden: {key}={now})"))
-    return f"{GROUP}={name} applied for {pair} (conf/{GROUP}/{name}.yaml): sets {', '.join(settings) or 'nothing'}"
+    return f"{GROUP}={name} applied for {pair} (omni/conf/{GROUP}/{name}.yaml): sets {', '.join(settings) or 'nothing'}"

@@ -3,7 +3,7 @@
 Hydra's basic sweeper composes every job before launching any (a type error or an unknown
 key fails the whole sweep there), but our validation runs inside each job: a bad value in one
 job failed it in the middle of the sweep and failed the sweep. `ValidateSweep`, a Hydra
-callback (conf/train.yaml, `hydra.callbacks`), composes and validates every job's config
+callback (omni/conf/train.yaml, `hydra.callbacks`), composes and validates every job's config
 (omni.config.validate, no model loaded) when the multirun starts, and refuses the sweep
 naming each bad job by its number, its overrides and its error. A sampling sweeper
 (hparams_search=optuna) draws its trials as it goes: there the sweep's fixed settings are

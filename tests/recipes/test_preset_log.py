@@ -16,7 +16,7 @@ def test_log_names_the_pair_preset_and_its_settings(tmp_path, tiny_cache):
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     line = ("model_algorithm=sd3_tiny_grpo_guard applied for model=sd3_tiny with algorithm=grpo_guard "
-            "(conf/model_algorithm/sd3_tiny_grpo_guard.yaml): sets algorithm.clip_range=0.2, "
+            "(omni/conf/model_algorithm/sd3_tiny_grpo_guard.yaml): sets algorithm.clip_range=0.2, "
             "trainer.lr=0.01 (overridden: trainer.lr=0.005)")
     assert line in (tmp_path / "train.log").read_text()
 
