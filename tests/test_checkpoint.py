@@ -1,6 +1,9 @@
 """Checkpoints: resume finds the newest intact one, a damaged one is named and never loaded,
 what a killed save leaves is cleaned up, and one run directory has one writer."""
 
+import os
+import stat
+
 import pytest
 import torch
 
@@ -69,3 +72,15 @@ def test_a_second_writer_of_a_run_directory_is_refused(tmp_path):
                 pass
     with RunLock(tmp_path):  # released with the first run
         pass
+
+
+def test_a_checkpoint_is_readable_as_the_umask_allows(tmp_path):
+    """A teammate or a serving job reads what the umask lets them (0o022: the group and
+    others read), not the 0700/0600 of the temporary names the save renames into place."""
+    old = os.umask(0o022)
+    try:
+        directory = save(tmp_path, 1)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (directory, *directory.iterdir(), tmp_path / "latest")}
+    assert modes == {"step_000001": 0o755, checkpoint.LORA_FILE: 0o644, checkpoint.STATE_FILE: 0o644, "latest": 0o644}
