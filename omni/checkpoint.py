@@ -14,7 +14,9 @@ directories a killed save leaves behind are cleaned at the next start.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -74,9 +76,53 @@ def save_checkpoint(
             save_lora(tmp, weights, lora_config, family)
         torch.save({"step": step, **state}, tmp / STATE_FILE)
 
-    final = write_directory(Path(root) / f"step_{step:06d}", write)
-    write_text(Path(root) / "latest", final.name)
+    final = Path(root) / f"step_{step:06d}"
+    try:
+        write_directory(final, write)
+        write_text(Path(root) / "latest", final.name)
+    except Exception as error:  # safetensors and torch.save wrap an OSError in their own types
+        raise CheckpointSaveFailed(save_failure(final, error)) from error
     return final
+
+
+class CheckpointSaveFailed(RuntimeError):
+    """A checkpoint could not be written; the message names it, the disk and what was kept."""
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def out_of_space(error: BaseException) -> bool:
+    """An OSError(ENOSPC/EDQUOT), or a serializer's error that wraps one (safetensors reports
+    it as `Os { code: 28, kind: StorageFull }`)."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in NO_SPACE:
+            return True
+        if any(text in str(error) for text in ("No space left", "StorageFull", "Disk quota exceeded")):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def mount_point(path: Path) -> Path:
+    path = Path(path).resolve()
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def save_failure(final: Path, error: BaseException) -> str:
+    """What failed, where, why, and what is still there to continue from."""
+    root = final.parent
+    older = [p.name for p in sorted(root.glob("step_*")) if p.is_dir() and p != final]
+    kept = f"the checkpoints saved before it are intact ({', '.join(older[-3:])})" if older else "no earlier checkpoint exists"
+    if out_of_space(error):
+        usage = shutil.disk_usage(root)
+        cause = (f"no space left on the disk holding {root} (the filesystem mounted at {mount_point(root)}; "
+                 f"{usage.free / 2**20:.1f} MiB free now of {usage.total / 2**30:.1f} GiB)")
+    else:
+        cause = f"{type(error).__name__}: {error}"
+    return f"could not save checkpoint {final}: {cause}; {kept}, and no partial checkpoint was left behind"
 
 
 class DamagedCheckpoint(ValueError):

@@ -220,7 +220,7 @@ def run(cfg: DictConfig | TrainConfig) -> float:
         try:
             trainer.setup()
             return trainer.train()
-        except (WorkerFailure, TrainingStopped, RewardUnavailable) as failure:
+        except (WorkerFailure, TrainingStopped, RewardUnavailable, checkpoint.CheckpointSaveFailed) as failure:
             raise type(failure)(f"{failure}; during {trainer.position}. Training stopped: {kept(trainer)}") from None
         except KeyboardInterrupt:
             print(f"\ninterrupted during {trainer.position}. {kept(trainer)}", flush=True)

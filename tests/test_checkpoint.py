@@ -1,6 +1,7 @@
 """Checkpoints: resume finds the newest intact one, a damaged one is named and never loaded,
 what a killed save leaves is cleaned up, and one run directory has one writer."""
 
+import errno
 import os
 import stat
 
@@ -84,3 +85,25 @@ def test_a_checkpoint_is_readable_as_the_umask_allows(tmp_path):
         os.umask(old)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (directory, *directory.iterdir(), tmp_path / "latest")}
     assert modes == {"step_000001": 0o755, checkpoint.LORA_FILE: 0o644, checkpoint.STATE_FILE: 0o644, "latest": 0o644}
+
+
+class DiskFillsUp:
+    """The family's LoRA writer, with the disk filling up half-way through the file."""
+
+    def save_lora(self, directory, lora, metadata):
+        (directory / checkpoint.LORA_FILE).write_bytes(b"\x00" * 100)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_names_the_disk_and_the_checkpoint_and_keeps_the_older_ones(tmp_path):
+    save(tmp_path, 2)
+    state = {"optimizer": {}, "rng": checkpoint.rng_state(), "config": ""}
+    with pytest.raises(checkpoint.CheckpointSaveFailed) as failure:
+        checkpoint.save_checkpoint(tmp_path, 4, fake_lora(), LORA, state, DiskFillsUp())
+    message = str(failure.value)
+    assert f"could not save checkpoint {tmp_path / 'step_000004'}" in message
+    assert f"no space left on the disk holding {tmp_path} (the filesystem mounted at " in message and "MiB free now" in message
+    assert "saved before it are intact (step_000002)" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000002"]  # no partial step_000004
+    assert (tmp_path / "latest").read_text() == "step_000002"
+    assert checkpoint.resumable_checkpoint(tmp_path, MODEL) == (tmp_path / "step_000002", [])
