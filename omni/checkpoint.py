@@ -139,11 +139,18 @@ def weights_file(directory: Path) -> Path:
     return full if full.is_file() else Path(directory) / LORA_FILE
 
 
+class CheckpointMismatch(ValueError):
+    """An intact checkpoint of another configuration (model family, LoRA or full fine-tuning,
+    LoRA rank, alpha or targets): not damaged, so never passed over nor written over; the
+    message names each difference, saved against configured."""
+
+
 def check_checkpoint(directory: Path, model=None) -> None:
     """Read a checkpoint's headers without loading its tensors: the weights and the state
-    present, the safetensors header readable, the trainer state readable, and (given the
-    run's `model` config) the weights of its kind: a LoRA of `model.lora`'s rank and targets,
-    or the whole transformer when `model.lora` is None. Raises DamagedCheckpoint naming the file."""
+    present, the safetensors header readable, the trainer state readable (DamagedCheckpoint
+    naming the file otherwise), and, given the run's `model` config, saved by the same
+    configuration: the model family and LoRA settings of the saved config, and weights of
+    the kind and shapes `model` trains (CheckpointMismatch naming the differences otherwise)."""
     from safetensors import safe_open
 
     directory = Path(directory)
@@ -162,43 +169,83 @@ def check_checkpoint(directory: Path, model=None) -> None:
     except Exception as error:  # a truncated pickle raises anything from EOFError to UnpicklingError
         raise DamagedCheckpoint(f"{state_file}: unreadable trainer state ({type(error).__name__}: {error})") from None
     if model is not None:
-        check_kind(directory, weights, model.lora)
-        if model.lora is not None:
-            check_lora_matches(weights, shapes, model.lora)
+        differences = config_differences(state.get("config"), model) or weights_differences(weights, shapes, model.lora)
+        if differences:
+            raise CheckpointMismatch(f"{directory} was saved by another configuration: {'; '.join(differences)}")
 
 
-def check_kind(directory: Path, weights: Path, lora_config) -> None:
-    """A LoRA checkpoint for a LoRA run, a whole transformer for full fine-tuning."""
+def saved_model(config_yaml) -> Optional[dict]:
+    """The `model` section of the config a checkpoint's trainer state holds (None: none saved)."""
+    from omegaconf import OmegaConf
+
+    if not config_yaml:
+        return None
+    return OmegaConf.to_container(OmegaConf.create(config_yaml)).get("model")
+
+
+def config_differences(config_yaml, model) -> List[str]:
+    """Saved against configured: model family, full fine-tuning or a LoRA, its rank, alpha, targets."""
+    saved = saved_model(config_yaml)
+    if saved is None:
+        return []
+    if saved.get("family") != model.family:
+        return [f"saved model family {saved.get('family')}, configured {model.family} (model.family)"]
+    lora = saved.get("lora")
+    if (lora is None) != (model.lora is None):
+        return [kind_difference(full_saved=lora is None)]
+    if lora is None:
+        return []
+    differences = [
+        f"saved LoRA {what} {lora[key]}, configured {getattr(model.lora, key)} (model.lora.{key})"
+        for key, what in (("rank", "rank"), ("alpha", "alpha"))
+        if lora[key] != getattr(model.lora, key)
+    ]
+    if sorted(lora["target_modules"] or []) != sorted(model.lora.target_modules or []):
+        differences.append(f"saved LoRA targets {sorted(lora['target_modules'])}, configured {sorted(model.lora.target_modules)} (model.lora.target_modules)")
+    return differences
+
+
+def kind_difference(full_saved: bool) -> str:
+    if full_saved:
+        return "saved the whole transformer (full fine-tuning, model.lora=null), configured a LoRA (model.lora)"
+    return "saved a LoRA, configured full fine-tuning (model.lora=null)"
+
+
+def weights_differences(weights: Path, shapes: Dict[str, list], lora_config) -> List[str]:
+    """What the weights' headers say, for a checkpoint whose state holds no config."""
     full = weights.name != LORA_FILE
-    if full and lora_config is not None:
-        raise DamagedCheckpoint(f"{directory}: holds a whole transformer (full fine-tuning), but model.lora is set; pass model.lora=null")
-    if not full and lora_config is None:
-        raise DamagedCheckpoint(f"{directory}: holds a LoRA, but model.lora=null (full fine-tuning) trains the whole transformer")
+    if full != (lora_config is None):
+        return [kind_difference(full_saved=full)]
+    return [] if full else lora_differences(shapes, lora_config)
 
 
-def check_lora_matches(lora_file: Path, shapes: Dict[str, list], lora_config) -> None:
+def lora_differences(shapes: Dict[str, list], lora_config) -> List[str]:
+    """A LoRA's tensors (names and shapes) against `lora_config`'s rank and targets."""
     ranks = {shape[0] for key, shape in shapes.items() if ".lora_A." in key}
     if ranks != {lora_config.rank}:
-        raise DamagedCheckpoint(f"{lora_file}: LoRA rank {sorted(ranks)}, but model.lora.rank={lora_config.rank}")
+        return [f"saved LoRA rank {', '.join(map(str, sorted(ranks)))}, configured {lora_config.rank} (model.lora.rank)"]
     modules = {key.split(".lora_A.")[0] for key in shapes if ".lora_A." in key}
     targets = set(lora_config.target_modules)
     found = {t for t in targets if any(m == t or m.endswith("." + t) for m in modules)}
     stray = sorted(m for m in modules if not any(m == t or m.endswith("." + t) for t in targets))
     if found != targets or stray:
-        raise DamagedCheckpoint(
-            f"{lora_file}: LoRA on other modules than model.lora.target_modules={sorted(targets)} "
-            f"(missing {sorted(targets - found)}, unexpected {stray[:3]})"
-        )
+        return [f"saved LoRA on other modules than model.lora.target_modules={sorted(targets)} (missing {sorted(targets - found)}, unexpected {stray[:3]})"]
+    return []
+
+
+def checkpoint_dirs(root: Path) -> List[Path]:
+    """The step directories under `root`, newest first."""
+    root = Path(root)
+    return sorted((p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()), key=step_of, reverse=True)
 
 
 def resumable_checkpoint(root: Path, model=None) -> Tuple[Optional[Path], List[str]]:
     """The newest intact checkpoint under `root` (None if there is none) and, for each newer
     one that is damaged, why it was passed over. `latest` is only a hint: a checkpoint it
-    names that is missing or damaged does not hide older intact ones."""
-    root = Path(root)
-    steps = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()), key=step_of, reverse=True)
+    names that is missing or damaged does not hide older intact ones. A checkpoint of
+    another configuration is not damaged: CheckpointMismatch, never passed over."""
     skipped = []
-    for directory in steps:
+    for directory in checkpoint_dirs(root):
         try:
             check_checkpoint(directory, model)
             return directory, skipped

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from omni import checkpoint
 from omni.algorithms import get_algorithm
 from omni.config import TrainConfig
+from omni.config.errors import ConfigError, require
 from omni.config.validate import validate
 from omni.context import StepContext, means, step_seeds
 from omni.data.prompts import load_prompts
@@ -86,16 +87,37 @@ class Trainer:
     def _resume_dir(self) -> Optional[Path]:
         """The checkpoint to continue from: `trainer.resume`, or with "auto" the newest intact
         one (damaged ones are named in the log and passed over), after cleaning up what a
-        killed save left behind."""
+        killed save left behind. Refused (ConfigError, before any model loads): checkpoints of
+        another configuration, checkpoints none of which can be used, and a run that would
+        write over checkpoints it does not continue from."""
         resume = self.cfg.trainer.resume
-        if resume != "auto":
-            return Path(resume) if resume else None
-        for done in checkpoint.clean_interrupted_writes(self.checkpoint_dir):
-            logger.warning("checkpoints: %s (left by an interrupted save)", done)
-        found, skipped = checkpoint.resumable_checkpoint(self.checkpoint_dir, self.cfg.model)
-        for reason in skipped:
-            logger.warning("trainer.resume=auto passes over a damaged checkpoint: %s", reason)
+        if resume == "auto":
+            for done in checkpoint.clean_interrupted_writes(self.checkpoint_dir):
+                logger.warning("checkpoints: %s (left by an interrupted save)", done)
+            try:
+                found, skipped = checkpoint.resumable_checkpoint(self.checkpoint_dir, self.cfg.model)
+            except checkpoint.CheckpointMismatch as error:
+                raise ConfigError(f"trainer.resume=auto: {error}; nothing was written. To start afresh, {self.elsewhere()}") from None
+            require(not skipped or found is not None,
+                    f"trainer.resume=auto found checkpoints in {self.checkpoint_dir} but none it can use: "
+                    f"{'; '.join(skipped)}. Nothing was written; to start afresh, {self.elsewhere()}")
+            for reason in skipped:  # only newer ones than `found`, which its later saves replace
+                logger.warning("trainer.resume=auto passes over a damaged checkpoint: %s", reason)
+            return found
+        found = Path(resume) if resume else None
+        self.check_no_overwrite(found)
         return found
+
+    def check_no_overwrite(self, resumed: Optional[Path]) -> None:
+        """The checkpoints this run would replace: those after the step it starts from."""
+        start = checkpoint.step_of(resumed) if resumed is not None else 0
+        later = [p.name for p in checkpoint.checkpoint_dirs(self.checkpoint_dir) if checkpoint.step_of(p) > start]
+        how = f"continues from {resumed}" if resumed is not None else "starts at step 0"
+        require(not later, f"{self.checkpoint_dir} holds checkpoints of an earlier run ({', '.join(reversed(later))}) that this run "
+                           f"would write over: it {how}. Continue that run with trainer.resume=auto, or {self.elsewhere()}")
+
+    def elsewhere(self) -> str:
+        return f"give this run its own directory (hydra.run.dir=...) or move {self.checkpoint_dir} away"
 
     # ----------------------------------------------------------------- evaluation
     def eval_metrics(self, scores: Dict[str, torch.Tensor]) -> Dict[str, float]:

@@ -49,11 +49,11 @@ def test_a_damaged_checkpoint_is_never_loaded(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "lora_kwargs,message", [({"rank": 8}, "rank \\[8\\], but model.lora.rank=4"), ({"targets": ("to_q", "to_v")}, "missing \\['to_k'\\]")]
+    "lora_kwargs,message", [({"rank": 8}, "saved LoRA rank 8, configured 4 \\(model.lora.rank\\)"), ({"targets": ("to_q", "to_v")}, "missing \\['to_k'\\]")]
 )
 def test_a_checkpoint_of_another_lora_is_named(tmp_path, lora_kwargs, message):
     directory = save(tmp_path, 1, **lora_kwargs)
-    with pytest.raises(checkpoint.DamagedCheckpoint, match=message):
+    with pytest.raises(checkpoint.CheckpointMismatch, match=message):
         checkpoint.check_checkpoint(directory, MODEL)
 
 

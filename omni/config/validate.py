@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from omni.algorithms import get_algorithm
-from omni.checkpoint import DamagedCheckpoint, check_checkpoint
+from omni.checkpoint import CheckpointMismatch, DamagedCheckpoint, check_checkpoint
 from omni.config import TrainConfig
 from omni.config.errors import ConfigError, require
 from omni.config.model import DType
@@ -311,7 +311,7 @@ def check_trainer(cfg: TrainConfig) -> None:
         require(Path(trainer.resume).is_dir(), f"trainer.resume={trainer.resume}: no such checkpoint directory")
         try:
             check_checkpoint(Path(trainer.resume), cfg.model)
-        except DamagedCheckpoint as error:
+        except (DamagedCheckpoint, CheckpointMismatch) as error:
             raise ConfigError(f"trainer.resume={trainer.resume}: {error}") from None
     check_workers(cfg)
 

@@ -111,9 +111,9 @@ def test_damaged_resume_directory_is_named_before_loading(tmp_path, tiny_cache):
     lora = {k: v.detach() for k, v in lora_tensors(transformer, "default").items()}
     saved = checkpoint.save_checkpoint(tmp_path, 3, lora, cfg.model.lora, {"rng": checkpoint.rng_state()}, FAMILY)
     validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.resume={saved}"]))
-    with pytest.raises(ConfigError, match="trainer.resume=.*rank \\[8\\], but model.lora.rank=4"):
+    with pytest.raises(ConfigError, match="trainer.resume=.*saved LoRA rank 8, configured 4 \\(model.lora.rank\\)"):
         validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.resume={saved}", "model.lora.rank=4"]))
-    with pytest.raises(ConfigError, match="trainer.resume=.*holds a LoRA, but model.lora=null"):
+    with pytest.raises(ConfigError, match="trainer.resume=.*saved a LoRA, configured full fine-tuning \\(model.lora=null\\)"):
         validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.resume={saved}", "model.lora=null"]))
     (saved / checkpoint.STATE_FILE).write_bytes(b"\x80")
     with pytest.raises(ConfigError, match="step_000003/trainer_state.pt: unreadable trainer state"):

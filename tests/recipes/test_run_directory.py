@@ -1,0 +1,71 @@
+"""The run directory through the real CLI on the tiny model: resume never writes over
+checkpoints of another configuration or of an earlier run, and refuses before any model
+loads, naming the difference."""
+
+import hashlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omni import checkpoint
+from tests.recipes.test_train import REPO, train
+
+SMALL = ["trainer.batch_size=8", "algorithm.group_size=4", "rollout.num_steps=4", "trainer.eval_images_per_prompt=1"]
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory, tiny_cache):
+    """A LoRA run (rank 8) that saved step_000001 and step_000002."""
+    run_dir = tmp_path_factory.mktemp("rank8")
+    train(run_dir, tiny_cache, *SMALL, "trainer.steps=2", "trainer.save_every=1")
+    return run_dir
+
+
+def digest(run_dir: Path) -> dict:
+    """Every file under checkpoints/ and its content's hash."""
+    root = Path(run_dir) / "checkpoints"
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def start(run_dir, cache, *overrides):
+    command = [sys.executable, "recipes/train.py", f"hydra.run.dir={run_dir}", f"model.cache_dir={cache}", "trainer.progress_bar=false",
+               *SMALL, *overrides]  # fmt: skip
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def damage_every_state(run_dir: Path) -> None:
+    for state in (Path(run_dir) / "checkpoints").glob(f"step_*/{checkpoint.STATE_FILE}"):
+        state.write_bytes(b"\x80")
+
+
+REFUSED = {
+    "LoRA rank": (["trainer.resume=auto", "model.lora.rank=16"], "step_000002 was saved by another configuration: saved LoRA rank 8, configured 16 (model.lora.rank)"),
+    "full fine-tuning": (["trainer.resume=auto", "model.lora=null"], "saved a LoRA, configured full fine-tuning (model.lora=null)"),
+    "model family": (["trainer.resume=auto", "model=flux_tiny"], "saved model family sd3, configured flux (model.family)"),
+    "fresh run": ([], "holds checkpoints of an earlier run (step_000001, step_000002) that this run would write over: it starts at step 0"),
+    "explicit older step": (["trainer.resume={run_dir}/checkpoints/step_000001"], "of an earlier run (step_000002) that this run would write over"),
+    "none usable": (["trainer.resume=auto"], "trainer.resume=auto found checkpoints in {run_dir}/checkpoints but none it can use: {run_dir}/checkpoints/step_000002/trainer_state.pt"),
+}
+
+
+def test_resume_refuses_checkpoints_it_did_not_make_before_any_model_loads(two_checkpoints, tmp_path, tiny_cache):
+    """Each case on its own copy of the run directory, all started at once: refused with the
+    difference named, no model loaded, and not a byte of the checkpoints changed."""
+    saved = digest(two_checkpoints)
+    running = {}
+    for case, (overrides, _) in REFUSED.items():
+        run_dir = tmp_path / case.replace(" ", "_")
+        shutil.copytree(two_checkpoints / "checkpoints", run_dir / "checkpoints")
+        if case == "none usable":
+            damage_every_state(run_dir)
+        running[case] = (run_dir, digest(run_dir), start(run_dir, tiny_cache, "trainer.steps=4", *(o.format(run_dir=run_dir) for o in overrides)))
+    for case, (run_dir, before, process) in running.items():
+        output, _ = process.communicate(timeout=300)
+        expected = REFUSED[case][1].format(run_dir=run_dir)
+        assert process.returncode != 0 and expected in output, f"{case}: {output[-2000:]}"
+        assert "Loading pipeline components" not in output, case
+        assert digest(run_dir) == before, case
+    assert digest(two_checkpoints) == saved
