@@ -4,6 +4,8 @@ what a killed save leaves is cleaned up, and one run directory has one writer.""
 import errno
 import os
 import stat
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -66,12 +68,22 @@ def test_interrupted_saves_are_cleaned_and_an_aside_step_restored(tmp_path):
     assert len(done) == 2 and checkpoint.resumable_checkpoint(tmp_path, MODEL)[0] == tmp_path / "step_000001"
 
 
+HOLD = "import sys, time; from omni.run_lock import RunLock; RunLock(sys.argv[1]).__enter__(); print('held', flush=True); time.sleep(600)"
+
+
 def test_a_second_writer_of_a_run_directory_is_refused(tmp_path):
-    with RunLock(tmp_path):
+    """Held by another process: refused; that process killed: the system released the lock.
+    Within one process, holding a directory it holds already does nothing."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
         with pytest.raises(RunDirectoryInUse, match=f"{tmp_path} is in use by a running training run"):
             with RunLock(tmp_path):
                 pass
-    with RunLock(tmp_path):  # released with the first run
+    finally:
+        holder.kill()
+        holder.wait()
+    with RunLock(tmp_path), RunLock(tmp_path):  # released with the killed holder; re-entered
         pass
 
 

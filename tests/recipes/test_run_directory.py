@@ -30,8 +30,8 @@ def digest(run_dir: Path) -> dict:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def start(run_dir, cache, *overrides):
-    command = [sys.executable, "recipes/train.py", f"hydra.run.dir={run_dir}", f"model.cache_dir={cache}", "trainer.progress_bar=false",
+def start(run_dir, cache, *overrides, flags=()):
+    command = [sys.executable, "recipes/train.py", *flags, f"hydra.run.dir={run_dir}", f"model.cache_dir={cache}", "trainer.progress_bar=false",
                *SMALL, *overrides]  # fmt: skip
     return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -69,3 +69,22 @@ def test_resume_refuses_checkpoints_it_did_not_make_before_any_model_loads(two_c
         assert "Loading pipeline components" not in output, case
         assert digest(run_dir) == before, case
     assert digest(two_checkpoints) == saved
+
+
+def test_a_run_directory_in_use_is_refused_before_hydra_writes_into_it(tmp_path, tiny_cache):
+    """This test holds the directory as a running training run would; a second run, and a
+    multirun whose sweep directory it is, are refused without touching the first run's
+    `.hydra/` or log, and write nothing there."""
+    from omni.run_lock import RunLock
+
+    (tmp_path / ".hydra").mkdir()
+    first = {".hydra/overrides.yaml": "- seed=1\n", "train.log": "the first run's log\n"}
+    for name, text in first.items():
+        (tmp_path / name).write_text(text)
+    with RunLock(tmp_path):
+        runs = [start(tmp_path, tiny_cache, "seed=2"), start(tmp_path, tiny_cache, f"hydra.sweep.dir={tmp_path}", "seed=3,4", flags=["-m"])]
+        outputs = [process.communicate(timeout=300)[0] for process in runs]
+    for process, output in zip(runs, outputs):
+        assert process.returncode != 0 and f"{tmp_path} is in use by a running training run" in output, output[-2000:]
+    assert {name: (tmp_path / name).read_text() for name in first} == first
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [".hydra", ".hydra/overrides.yaml", ".lock", "train.log"]
