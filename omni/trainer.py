@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from omni import checkpoint
+from omni.atomic import write_text
 from omni.algorithms import get_algorithm
 from omni.config import TrainConfig
 from omni.config.errors import ConfigError, require
@@ -37,6 +38,9 @@ from omni.run_lock import RunLock
 from omni.workers import WorkerFailure, build_actor_rollout
 
 logger = logging.getLogger(__name__)
+
+# In the run directory: the config as validated and resolved, the one the run uses.
+CONFIG_FILE = "resolved_config.yaml"
 
 
 class TrainingStopped(RuntimeError):
@@ -76,6 +80,7 @@ class Trainer:
     # ----------------------------------------------------------------- set-up
     def setup(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        write_text(self.output_dir / CONFIG_FILE, self.config_yaml())
         self.ctx.reward.setup()
         keep_reference = self.algorithm.uses_reference(self.cfg)
         self.ctx.worker = build_actor_rollout(self.cfg, model_path(self.cfg.model), keep_reference)
@@ -200,12 +205,16 @@ class Trainer:
         (self.output_dir / "eval.json").write_text(json.dumps(summary))
 
     # ----------------------------------------------------------------- checkpoints
+    def config_yaml(self) -> str:
+        """The resolved, validated config the run uses (not Hydra's `.hydra/config.yaml`, which
+        is the composed one, before validation filled in the model's values)."""
+        return OmegaConf.to_yaml(OmegaConf.structured(self.cfg))
+
     def save_checkpoint(self, step: int) -> Path:
         """The trained weights: the LoRA, or the whole transformer with full fine-tuning. The
         exported LoRA is the EMA when there is one; the trained LoRA, which training
         continues from, then goes into the trainer state."""
-        config_yaml = OmegaConf.to_yaml(OmegaConf.structured(self.cfg))
-        state = {"optimizer": self.worker.optimizer_state_dict(), "rng": checkpoint.rng_state(), "config": config_yaml,
+        state = {"optimizer": self.worker.optimizer_state_dict(), "rng": checkpoint.rng_state(), "config": self.config_yaml(),
                  "algorithm": self.algorithm.state_dict()}
         weights = self.worker.trained_state_dict()
         if self.ema is not None:

@@ -88,3 +88,21 @@ def test_a_run_directory_in_use_is_refused_before_hydra_writes_into_it(tmp_path,
         assert process.returncode != 0 and f"{tmp_path} is in use by a running training run" in output, output[-2000:]
     assert {name: (tmp_path / name).read_text() for name in first} == first
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [".hydra", ".hydra/overrides.yaml", ".lock", "train.log"]
+
+
+def test_the_run_directory_holds_the_resolved_validated_config(two_checkpoints):
+    """As YAML: what validation filled in (the family's LoRA targets), interpolations resolved,
+    loadable into the schema; the same text as the checkpoints' trainer state holds."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from omni.config import FlowGRPOConfig, TrainConfig
+    from omni.models.sd3 import FAMILY
+
+    text = (two_checkpoints / "resolved_config.yaml").read_text()
+    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig(algorithm=FlowGRPOConfig())), OmegaConf.create(text)))
+    assert "${" not in text and config.output_dir == str(two_checkpoints)
+    assert config.model.lora.target_modules == list(FAMILY.lora_targets) and config.model.lora.rank == 8
+    assert (config.trainer.steps, config.trainer.save_every, config.rollout.resolution) == (2, 1, 64)
+    state = torch.load(two_checkpoints / "checkpoints" / "step_000002" / checkpoint.STATE_FILE, weights_only=False)
+    assert state["config"] == text
