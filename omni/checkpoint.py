@@ -254,6 +254,74 @@ def resumable_checkpoint(root: Path, model=None) -> Tuple[Optional[Path], List[s
     return None, skipped
 
 
+PEFT_LORA_FILE = "adapter_model.safetensors"
+LORA_PREFIXES = ("transformer.", "base_model.model.")  # diffusers' pipeline files, PEFT's save_pretrained
+
+
+def lora_file(path: Path) -> Path:
+    """The LoRA file `path` names: itself, or the diffusers or PEFT file in a directory."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        found = [path / name for name in (LORA_FILE, PEFT_LORA_FILE) if (path / name).is_file()]
+        if not found:
+            raise FileNotFoundError(f"{path}: holds neither {LORA_FILE} (diffusers) nor {PEFT_LORA_FILE} (PEFT)")
+        return found[0]
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such LoRA file or directory")
+    return path
+
+
+def transformer_lora_names(names) -> Dict[str, str]:
+    """A LoRA file's tensor names -> PEFT's names on the transformer (`...to_q.lora_A.weight`)."""
+    plain = {}
+    for name in names:
+        if ".lora_" not in name:
+            continue
+        prefix = next((p for p in LORA_PREFIXES if name.startswith(p)), "")
+        plain[name] = name[len(prefix):]
+    return plain
+
+
+def check_lora_file(path: Path, lora_config) -> Path:
+    """The LoRA file of `path`, its header read (no tensors): of `lora_config`'s rank and targets.
+    Raises DamagedCheckpoint or CheckpointMismatch naming the file."""
+    from safetensors import safe_open
+
+    file = lora_file(path)
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            names = transformer_lora_names(f.keys())
+            shapes = {plain: f.get_slice(name).get_shape() for name, plain in names.items()}
+    except Exception as error:  # safetensors raises its own error types for a bad header
+        raise DamagedCheckpoint(f"{file}: unreadable safetensors ({error})") from None
+    if not shapes:
+        raise CheckpointMismatch(f"{file}: holds no transformer LoRA tensors (names with .lora_A./.lora_B.)")
+    differences = lora_differences(shapes, lora_config)
+    if differences:
+        raise CheckpointMismatch(f"{file}: {'; '.join(differences)}")
+    return file
+
+
+def load_lora_file(path: Path) -> Dict[str, torch.Tensor]:
+    """A LoRA file's transformer tensors under PEFT's names (as `lora_state_dict` returns them)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(lora_file(path)))
+    return {plain: tensors[name] for name, plain in transformer_lora_names(tensors).items()}
+
+
+def prune_checkpoints(checkpoints: List[Path], keep: int) -> List[Path]:
+    """Delete all but the newest `keep` of `checkpoints`; returns the deleted ones. Each is
+    renamed to a hidden leftover first, which the next start cleans if the deletion is cut."""
+    deleted = []
+    for old in sorted(set(checkpoints), key=step_of)[:-keep]:
+        aside = old.parent / f".{old.name}.pruned"
+        os.replace(old, aside)
+        shutil.rmtree(aside)
+        deleted.append(old)
+    return deleted
+
+
 def latest_checkpoint(root: Path) -> Optional[Path]:
     return resumable_checkpoint(root)[0]
 

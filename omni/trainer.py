@@ -68,6 +68,7 @@ class Trainer:
         self.ctx = StepContext(cfg, self.family, train_prompts, eval_prompts, reward)
         self.algorithm = get_algorithm(cfg.algorithm.name)(self.ctx)  # reads its data before any model loads
         self.resume_dir = self._resume_dir()  # checked before any model loads
+        self.own_checkpoints = self.continued_checkpoints()  # what keep_last_checkpoints may delete
         self.start_step = 0
         self.bad_steps = 0  # consecutive steps whose update had a non-finite gradient
         self.ema = LoraEMA(cfg.trainer.ema_decay) if cfg.trainer.ema_decay is not None else None
@@ -88,6 +89,8 @@ class Trainer:
         self.ctx.logger = MetricsLogger(self.cfg, self.output_dir)
         if self.resume_dir is not None:
             self.load_checkpoint(self.resume_dir)
+        elif self.cfg.model.lora is not None and self.cfg.model.lora.init_from is not None:
+            self.load_initial_lora(self.cfg.model.lora.init_from)
 
     def _resume_dir(self) -> Optional[Path]:
         """The checkpoint to continue from: `trainer.resume`, or with "auto" the newest intact
@@ -221,7 +224,14 @@ class Trainer:
             state["trained_lora"], weights = weights, self.ema.weights(weights)
         lora = self.cfg.model.lora
         config = None if lora is not None else self.family.transformer_config(model_path(self.cfg.model))
-        return checkpoint.save_checkpoint(self.checkpoint_dir, step, weights, lora, state, self.family, config)
+        saved = checkpoint.save_checkpoint(self.checkpoint_dir, step, weights, lora, state, self.family, config)
+        self.own_checkpoints.append(saved)
+        keep = self.cfg.trainer.keep_last_checkpoints
+        if keep is not None:
+            for old in checkpoint.prune_checkpoints(self.own_checkpoints, keep):
+                logger.info("deleted %s (trainer.keep_last_checkpoints=%d)", old, keep)
+            self.own_checkpoints = [p for p in self.own_checkpoints if p.exists()]
+        return saved
 
     def load_checkpoint(self, directory: Path) -> None:
         exported, state = checkpoint.load_checkpoint(directory, self.family)
@@ -232,6 +242,23 @@ class Trainer:
         checkpoint.set_rng_state(state["rng"])
         self.start_step = state["step"]
         self.algorithm.load_state_dict(state.get("algorithm", {}), self.start_step)
+
+    def load_initial_lora(self, path: str) -> None:
+        """`model.lora.init_from`: the LoRA training starts from (checked at validation)."""
+        file = checkpoint.lora_file(Path(path))
+        try:
+            self.worker.load_lora(checkpoint.load_lora_file(file))
+        except (KeyError, ValueError) as error:
+            raise ConfigError(f"model.lora.init_from={path}: {file} does not fit this model's LoRA: {error}") from None
+        logger.info("LoRA initialised from %s", file)
+
+    def continued_checkpoints(self) -> list:
+        """The checkpoints of the run this one continues, in its own directory: the resumed
+        one and those before it. A checkpoint resumed from another directory is not ours."""
+        if self.resume_dir is None or self.resume_dir.resolve().parent != self.checkpoint_dir.resolve():
+            return []
+        start = checkpoint.step_of(self.resume_dir)
+        return [p for p in checkpoint.checkpoint_dirs(self.checkpoint_dir) if checkpoint.step_of(p) <= start]
 
     def cleanup(self) -> None:
         """Close what `setup` opened, also after a set-up that failed half-way."""

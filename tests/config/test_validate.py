@@ -42,6 +42,8 @@ BAD = [
     (["model.lora.target_modules=[to_q,to_qq]"], "model.lora.target_modules: ['to_qq']"),
     (["trainer.steps=0"], "trainer.eval_only"),
     (["trainer.max_bad_steps=0"], "trainer.max_bad_steps"),
+    (["trainer.keep_last_checkpoints=0"], "trainer.keep_last_checkpoints=0 must be >= 1"),
+    (["model.lora.init_from=/nonexistent/lora"], "model.lora.init_from=/nonexistent/lora: /nonexistent/lora: no such LoRA file"),
     (["trainer.resume=/nonexistent/ckpt"], "trainer.resume"),
     (["data.train=/nonexistent/prompts.txt"], "data.train"),
     (["data.eval=omni:no_such_set"], "data.eval"),

@@ -106,3 +106,51 @@ def test_the_run_directory_holds_the_resolved_validated_config(two_checkpoints):
     assert (config.trainer.steps, config.trainer.save_every, config.rollout.resolution) == (2, 1, 64)
     state = torch.load(two_checkpoints / "checkpoints" / "step_000002" / checkpoint.STATE_FILE, weights_only=False)
     assert state["config"] == text
+
+
+def steps_in(run_dir: Path) -> list:
+    return sorted(p.name for p in (Path(run_dir) / "checkpoints").glob("step_*"))
+
+
+def test_keep_last_checkpoints_deletes_only_this_runs_older_ones(tmp_path, tiny_cache):
+    """A run keeps its newest N; a run resumed from another directory never deletes that
+    run's checkpoints; a run continued in its own directory prunes the older process's too."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    train(first, tiny_cache, *SMALL, "trainer.steps=3", "trainer.save_every=1", "trainer.keep_last_checkpoints=2")
+    assert steps_in(first) == ["step_000002", "step_000003"]
+    kept = digest(first)
+    train(second, tiny_cache, *SMALL, "trainer.steps=4", "trainer.save_every=1", "trainer.keep_last_checkpoints=1",
+          f"trainer.resume={first}/checkpoints/step_000002")  # fmt: skip
+    assert steps_in(second) == ["step_000004"] and digest(first) == kept
+    train(first, tiny_cache, *SMALL, "trainer.steps=4", "trainer.keep_last_checkpoints=1", "trainer.resume=auto")
+    assert steps_in(first) == ["step_000004"] and (first / "checkpoints" / "latest").read_text() == "step_000004"
+
+
+def mean_after(run_dir: Path) -> float:
+    import json
+
+    after = json.loads((Path(run_dir) / "eval.json").read_text())
+    return sum(after["after"]) / len(after["after"]), sum(after["before"]) / len(after["before"])
+
+
+def test_training_starts_from_an_existing_lora(two_checkpoints, tmp_path, tiny_cache):
+    """model.lora.init_from=<a checkpoint directory>: an evaluation of the initial policy
+    scores what that run's final evaluation scored (same held-out prompts and seeds), not
+    the base model's; a LoRA of another rank, or a missing file, is refused before any model
+    loads, naming the file."""
+    saved = two_checkpoints / "checkpoints" / "step_000002"
+    runs = {
+        "from the LoRA": start(tmp_path / "a", tiny_cache, f"model.lora.init_from={saved}", "trainer.eval_only=true", "trainer.steps=0"),
+        "rank 16": start(tmp_path / "b", tiny_cache, f"model.lora.init_from={saved}", "model.lora.rank=16"),
+        "missing": start(tmp_path / "c", tiny_cache, f"model.lora.init_from={tmp_path}/none.safetensors"),
+    }
+    outputs = {case: process.communicate(timeout=300)[0] for case, process in runs.items()}
+    after, before = mean_after(two_checkpoints)
+    assert f"held-out reward {after:.4f} at step 0" in outputs["from the LoRA"] and f"{after:.4f}" != f"{before:.4f}", outputs["from the LoRA"][-2000:]
+    refused = {
+        "rank 16": f"model.lora.init_from={saved}: {saved}/pytorch_lora_weights.safetensors: saved LoRA rank 8, configured 16 (model.lora.rank)",
+        "missing": f"model.lora.init_from={tmp_path}/none.safetensors: {tmp_path}/none.safetensors: no such LoRA file or directory",
+    }
+    for case, message in refused.items():
+        assert runs[case].returncode != 0 and message in outputs[case], f"{case}: {outputs[case][-2000:]}"
+        assert "Loading pipeline components" not in outputs[case], case
