@@ -9,7 +9,12 @@ Layout of `<output_dir>/checkpoints/step_000010/`:
 A checkpoint is written to a temporary directory and renamed into place, and `latest` is
 replaced only after that, so an interrupted save never damages what was already saved.
 Resuming takes the newest checkpoint that passes `check_checkpoint`; the temporary
-directories a killed save leaves behind are cleaned at the next start.
+directories a killed save leaves behind are cleaned at the next start. A checkpoint that
+cannot be read is damaged (DamagedCheckpoint); one saved by another configuration (model
+family, LoRA or full fine-tuning, LoRA rank, alpha or targets, read from the config its
+trainer state records) is not, and is never passed over (CheckpointMismatch). A save that
+fails raises CheckpointSaveFailed naming the checkpoint, the disk when it is full, and the
+checkpoints kept.
 """
 
 from __future__ import annotations
