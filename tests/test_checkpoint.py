@@ -59,6 +59,27 @@ def test_a_checkpoint_of_another_lora_is_named(tmp_path, lora_kwargs, message):
         checkpoint.check_checkpoint(directory, MODEL)
 
 
+@pytest.mark.parametrize(
+    "saved,message",
+    [
+        ({"family": "flux"}, "saved model family flux, configured sd3 \\(model.family\\)"),
+        ({"lora": None}, "saved the whole transformer \\(full fine-tuning, model.lora=null\\), configured a LoRA"),
+        ({"lora": {"rank": 4, "alpha": 4.0, "target_modules": ["to_k", "to_q"]}}, "saved LoRA alpha 4.0, configured 8.0 \\(model.lora.alpha\\)"),
+    ],
+)
+def test_the_saved_config_names_what_differs_before_any_tensor_is_read(tmp_path, saved, message):
+    """The trainer state records the config the checkpoint was saved with; a change of
+    family, kind or LoRA setting is a mismatch (not damage), named saved against configured."""
+    from omegaconf import OmegaConf
+
+    model = {"family": "sd3", "lora": {"rank": 4, "alpha": 8.0, "target_modules": ["to_q", "to_k"]}}
+    state = {"optimizer": {}, "rng": checkpoint.rng_state(), "config": OmegaConf.to_yaml({"model": {**model, **saved}})}
+    directory = checkpoint.save_checkpoint(tmp_path, 1, fake_lora(), LORA, state, FAMILY)
+    with pytest.raises(checkpoint.CheckpointMismatch, match=message):
+        checkpoint.check_checkpoint(directory, MODEL)
+    assert checkpoint.resumable_checkpoint(tmp_path) == (directory, [])  # intact: only another configuration's
+
+
 def test_interrupted_saves_are_cleaned_and_an_aside_step_restored(tmp_path):
     save(tmp_path, 1)
     (tmp_path / ".step_000002.k3j2").mkdir()  # a save killed while writing

@@ -112,6 +112,7 @@ def steps_in(run_dir: Path) -> list:
     return sorted(p.name for p in (Path(run_dir) / "checkpoints").glob("step_*"))
 
 
+@pytest.mark.slow
 def test_keep_last_checkpoints_deletes_only_this_runs_older_ones(tmp_path, tiny_cache):
     """A run keeps its newest N; a run resumed from another directory never deletes that
     run's checkpoints; a run continued in its own directory prunes the older process's too."""
@@ -133,6 +134,7 @@ def mean_after(run_dir: Path) -> float:
     return sum(after["after"]) / len(after["after"]), sum(after["before"]) / len(after["before"])
 
 
+@pytest.mark.slow
 def test_training_starts_from_an_existing_lora(two_checkpoints, tmp_path, tiny_cache):
     """model.lora.init_from=<a checkpoint directory>: an evaluation of the initial policy
     scores what that run's final evaluation scored (same held-out prompts and seeds), not
