@@ -140,3 +140,21 @@ def test_a_full_disk_names_the_disk_and_the_checkpoint_and_keeps_the_older_ones(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000002"]  # no partial step_000004
     assert (tmp_path / "latest").read_text() == "step_000002"
     assert checkpoint.resumable_checkpoint(tmp_path, MODEL) == (tmp_path / "step_000002", [])
+
+
+def test_an_initial_lora_is_read_from_diffusers_or_peft_files_and_checked(tmp_path):
+    """model.lora.init_from: a checkpoint directory (diffusers' names) or PEFT's
+    adapter_model.safetensors give the same PEFT-named tensors; another rank names the file."""
+    from safetensors.torch import save_file
+
+    diffusers_dir = save(tmp_path / "ours", 1)
+    peft_dir = tmp_path / "peft"
+    peft_dir.mkdir()
+    save_file({f"base_model.model.{k}": v for k, v in fake_lora().items()}, str(peft_dir / checkpoint.PEFT_LORA_FILE))
+    for path in (diffusers_dir, peft_dir / checkpoint.PEFT_LORA_FILE):
+        checkpoint.check_lora_file(path, LORA)
+        assert checkpoint.load_lora_file(path).keys() == fake_lora().keys()
+    with pytest.raises(checkpoint.CheckpointMismatch, match=f"{peft_dir}/adapter_model.safetensors: saved LoRA rank 4, configured 8"):
+        checkpoint.check_lora_file(peft_dir, LoraConfig(rank=8, target_modules=["to_q", "to_k"]))
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}: holds neither pytorch_lora_weights.safetensors"):
+        checkpoint.check_lora_file(tmp_path, LORA)
