@@ -48,6 +48,10 @@ class TrainerConfig:
     eval_seed: int = 12345
     # Checkpoint every N steps (0: only at the end).
     save_every: int = 0
+    # Keep only the newest N checkpoints this run (and the run it continues, in its own
+    # directory) saved; older ones are deleted after each save. None: keep every checkpoint.
+    # Checkpoints of another run (one resumed from elsewhere) are never deleted.
+    keep_last_checkpoints: Optional[int] = None
     # A checkpoint directory to continue from, or "auto" for the newest intact one in output_dir.
     resume: Optional[str] = None
     # Stop after this many steps in a row whose gradient was not finite (their optimizer

@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from omni.algorithms import get_algorithm
-from omni.checkpoint import DamagedCheckpoint, check_checkpoint
+from omni.checkpoint import CheckpointMismatch, DamagedCheckpoint, check_checkpoint, check_lora_file
 from omni.config import TrainConfig
 from omni.config.errors import ConfigError, require
 from omni.config.model import DType
@@ -74,6 +74,11 @@ def check_model(model) -> ModelFamily:
         require(bool(model.lora.adapter_name), "model.lora.adapter_name must not be empty")
         require(len(model.lora.target_modules) > 0, "model.lora.target_modules is empty")
         check_lora_targets(model, family)
+        if model.lora.init_from is not None:
+            try:
+                check_lora_file(Path(model.lora.init_from), model.lora)
+            except (OSError, DamagedCheckpoint, CheckpointMismatch) as error:
+                raise ConfigError(f"model.lora.init_from={model.lora.init_from}: {error}") from None
     return family
 
 
@@ -363,6 +368,10 @@ def check_trainer(cfg: TrainConfig) -> None:
         f"trainer.ema_decay={trainer.ema_decay} must be in (0, 1) (the weight of the previous average), or null for no EMA",
     )
     require(trainer.max_bad_steps >= 1, f"trainer.max_bad_steps={trainer.max_bad_steps} must be >= 1")
+    require(
+        trainer.keep_last_checkpoints is None or trainer.keep_last_checkpoints >= 1,
+        f"trainer.keep_last_checkpoints={trainer.keep_last_checkpoints} must be >= 1, or null to keep every checkpoint",
+    )
     require(trainer.lr > 0, f"trainer.lr={trainer.lr} must be positive")
     require(
         trainer.eval_only or 0 <= trainer.warmup_steps < trainer.steps,
@@ -381,7 +390,7 @@ def check_trainer(cfg: TrainConfig) -> None:
         require(Path(trainer.resume).is_dir(), f"trainer.resume={trainer.resume}: no such checkpoint directory")
         try:
             check_checkpoint(Path(trainer.resume), cfg.model)
-        except DamagedCheckpoint as error:
+        except (DamagedCheckpoint, CheckpointMismatch) as error:
             raise ConfigError(f"trainer.resume={trainer.resume}: {error}") from None
     check_workers(cfg)
 

@@ -48,6 +48,8 @@ BAD = [
     (["trainer.steps=0"], "trainer.eval_only"),
     (["trainer.max_bad_steps=0"], "trainer.max_bad_steps"),
     (["trainer.warmup_steps=50"], "trainer.warmup_steps=50 must be in [0, trainer.steps=50)"),
+    (["trainer.keep_last_checkpoints=0"], "trainer.keep_last_checkpoints=0 must be >= 1"),
+    (["model.lora.init_from=/nonexistent/lora"], "model.lora.init_from=/nonexistent/lora: /nonexistent/lora: no such LoRA file"),
     (["trainer.resume=/nonexistent/ckpt"], "trainer.resume"),
     (["data.train=/nonexistent/prompts.txt"], "data.train"),
     (["data.eval=omni:no_such_set"], "data.eval"),
@@ -127,9 +129,9 @@ def test_damaged_resume_directory_is_named_before_loading(tmp_path, tiny_cache):
     lora = {k: v.detach() for k, v in lora_tensors(transformer, "default").items()}
     saved = checkpoint.save_checkpoint(tmp_path, 3, lora, cfg.model.lora, {"rng": checkpoint.rng_state()}, FAMILY)
     validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.resume={saved}"]))
-    with pytest.raises(ConfigError, match="trainer.resume=.*rank \\[8\\], but model.lora.rank=4"):
+    with pytest.raises(ConfigError, match="trainer.resume=.*saved LoRA rank 8, configured 4 \\(model.lora.rank\\)"):
         validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.resume={saved}", "model.lora.rank=4"]))
-    with pytest.raises(ConfigError, match="trainer.resume=.*holds a LoRA, but model.lora=null"):
+    with pytest.raises(ConfigError, match="trainer.resume=.*saved a LoRA, configured full fine-tuning \\(model.lora=null\\)"):
         validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.resume={saved}", "model.lora=null"]))
     (saved / checkpoint.STATE_FILE).write_bytes(b"\x80")
     with pytest.raises(ConfigError, match="step_000003/trainer_state.pt: unreadable trainer state"):
