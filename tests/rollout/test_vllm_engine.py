@@ -301,11 +301,16 @@ def test_killed_engine_is_named_with_the_step_and_the_last_checkpoint(tiny_cache
     ]
     killed = []
 
+    def engine_processes():
+        return {p.pid for p in psutil.Process().children(recursive=True) if "omni.rollout.vllm_server" in " ".join(p.cmdline())}
+
+    others = engine_processes()  # engines of this module's other tests (their fixtures), left alone
+
     def kill_after_first_checkpoint():
         while not (run_dir / "checkpoints" / "step_000001").is_dir():
             if time.sleep(0.1) or len(killed):
                 return
-        engines = [p for p in psutil.Process().children(recursive=True) if "omni.rollout.vllm_server" in " ".join(p.cmdline())]
+        engines = [psutil.Process(pid) for pid in engine_processes() - others]
         assert len(engines) == 1
         os.kill(engines[0].pid, signal.SIGKILL)
         killed.append(engines[0].pid)
