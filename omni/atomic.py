@@ -1,6 +1,12 @@
 """Atomic writes: a directory or file appears whole under its final name, or not at all,
 so an interrupted save never damages what was there before (checkpoints, model caches,
-weights handed to a rollout engine)."""
+weights handed to a rollout engine).
+
+The temporary directories and files come from `tempfile`, which creates them private (0700,
+0600); what is renamed into place gets the modes an ordinary `mkdir` or `open` would have
+given it under the process's umask, so a teammate or a serving job can read a checkpoint
+wherever they could read the rest of the run directory.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,27 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable
+
+
+def current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def as_if_created_normally(root: Path) -> None:
+    """Give `root` and everything under it the modes `mkdir` (0777) and `open` (0666) give
+    under the umask; executable bits a writer set on a file are kept (masked too)."""
+    mask = current_umask()
+    os.chmod(root, 0o777 & ~mask)
+    for path in Path(root).rglob("*"):
+        if path.is_symlink():
+            continue
+        if path.is_dir():
+            os.chmod(path, 0o777 & ~mask)
+        else:
+            executable = path.stat().st_mode & 0o111
+            os.chmod(path, (0o666 | executable) & ~mask)
 
 
 def write_directory(final: Path, write: Callable[[Path], None]) -> Path:
@@ -20,6 +47,7 @@ def write_directory(final: Path, write: Callable[[Path], None]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         write(tmp)
+        as_if_created_normally(tmp)
         for path in tmp.rglob("*"):
             if path.is_file():
                 with open(path, "rb") as f:
@@ -43,4 +71,5 @@ def write_text(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    os.chmod(tmp, 0o666 & ~current_umask())
     os.replace(tmp, path)

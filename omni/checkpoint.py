@@ -9,12 +9,19 @@ Layout of `<output_dir>/checkpoints/step_000010/`:
 A checkpoint is written to a temporary directory and renamed into place, and `latest` is
 replaced only after that, so an interrupted save never damages what was already saved.
 Resuming takes the newest checkpoint that passes `check_checkpoint`; the temporary
-directories a killed save leaves behind are cleaned at the next start.
+directories a killed save leaves behind are cleaned at the next start. A checkpoint that
+cannot be read is damaged (DamagedCheckpoint); one saved by another configuration (model
+family, LoRA or full fine-tuning, LoRA rank, alpha or targets, read from the config its
+trainer state records) is not, and is never passed over (CheckpointMismatch). A save that
+fails raises CheckpointSaveFailed naming the checkpoint, the disk when it is full, and the
+checkpoints kept.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -74,9 +81,53 @@ def save_checkpoint(
             save_lora(tmp, weights, lora_config, family)
         torch.save({"step": step, **state}, tmp / STATE_FILE)
 
-    final = write_directory(Path(root) / f"step_{step:06d}", write)
-    write_text(Path(root) / "latest", final.name)
+    final = Path(root) / f"step_{step:06d}"
+    try:
+        write_directory(final, write)
+        write_text(Path(root) / "latest", final.name)
+    except Exception as error:  # safetensors and torch.save wrap an OSError in their own types
+        raise CheckpointSaveFailed(save_failure(final, error)) from error
     return final
+
+
+class CheckpointSaveFailed(RuntimeError):
+    """A checkpoint could not be written; the message names it, the disk and what was kept."""
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def out_of_space(error: BaseException) -> bool:
+    """An OSError(ENOSPC/EDQUOT), or a serializer's error that wraps one (safetensors reports
+    it as `Os { code: 28, kind: StorageFull }`)."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in NO_SPACE:
+            return True
+        if any(text in str(error) for text in ("No space left", "StorageFull", "Disk quota exceeded")):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def mount_point(path: Path) -> Path:
+    path = Path(path).resolve()
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def save_failure(final: Path, error: BaseException) -> str:
+    """What failed, where, why, and what is still there to continue from."""
+    root = final.parent
+    older = [p.name for p in sorted(root.glob("step_*")) if p.is_dir() and p != final]
+    kept = f"the checkpoints saved before it are intact ({', '.join(older[-3:])})" if older else "no earlier checkpoint exists"
+    if out_of_space(error):
+        usage = shutil.disk_usage(root)
+        cause = (f"no space left on the disk holding {root} (the filesystem mounted at {mount_point(root)}; "
+                 f"{usage.free / 2**20:.1f} MiB free now of {usage.total / 2**30:.1f} GiB)")
+    else:
+        cause = f"{type(error).__name__}: {error}"
+    return f"could not save checkpoint {final}: {cause}; {kept}, and no partial checkpoint was left behind"
 
 
 class DamagedCheckpoint(ValueError):
@@ -93,11 +144,18 @@ def weights_file(directory: Path) -> Path:
     return full if full.is_file() else Path(directory) / LORA_FILE
 
 
+class CheckpointMismatch(ValueError):
+    """An intact checkpoint of another configuration (model family, LoRA or full fine-tuning,
+    LoRA rank, alpha or targets): not damaged, so never passed over nor written over; the
+    message names each difference, saved against configured."""
+
+
 def check_checkpoint(directory: Path, model=None) -> None:
     """Read a checkpoint's headers without loading its tensors: the weights and the state
-    present, the safetensors header readable, the trainer state readable, and (given the
-    run's `model` config) the weights of its kind: a LoRA of `model.lora`'s rank and targets,
-    or the whole transformer when `model.lora` is None. Raises DamagedCheckpoint naming the file."""
+    present, the safetensors header readable, the trainer state readable (DamagedCheckpoint
+    naming the file otherwise), and, given the run's `model` config, saved by the same
+    configuration: the model family and LoRA settings of the saved config, and weights of
+    the kind and shapes `model` trains (CheckpointMismatch naming the differences otherwise)."""
     from safetensors import safe_open
 
     directory = Path(directory)
@@ -116,49 +174,157 @@ def check_checkpoint(directory: Path, model=None) -> None:
     except Exception as error:  # a truncated pickle raises anything from EOFError to UnpicklingError
         raise DamagedCheckpoint(f"{state_file}: unreadable trainer state ({type(error).__name__}: {error})") from None
     if model is not None:
-        check_kind(directory, weights, model.lora)
-        if model.lora is not None:
-            check_lora_matches(weights, shapes, model.lora)
+        differences = config_differences(state.get("config"), model) or weights_differences(weights, shapes, model.lora)
+        if differences:
+            raise CheckpointMismatch(f"{directory} was saved by another configuration: {'; '.join(differences)}")
 
 
-def check_kind(directory: Path, weights: Path, lora_config) -> None:
-    """A LoRA checkpoint for a LoRA run, a whole transformer for full fine-tuning."""
+def saved_model(config_yaml) -> Optional[dict]:
+    """The `model` section of the config a checkpoint's trainer state holds (None: none saved)."""
+    from omegaconf import OmegaConf
+
+    if not config_yaml:
+        return None
+    return OmegaConf.to_container(OmegaConf.create(config_yaml)).get("model")
+
+
+def config_differences(config_yaml, model) -> List[str]:
+    """Saved against configured: model family, full fine-tuning or a LoRA, its rank, alpha, targets."""
+    saved = saved_model(config_yaml)
+    if saved is None:
+        return []
+    if saved.get("family") != model.family:
+        return [f"saved model family {saved.get('family')}, configured {model.family} (model.family)"]
+    lora = saved.get("lora")
+    if (lora is None) != (model.lora is None):
+        return [kind_difference(full_saved=lora is None)]
+    if lora is None:
+        return []
+    differences = [
+        f"saved LoRA {what} {lora[key]}, configured {getattr(model.lora, key)} (model.lora.{key})"
+        for key, what in (("rank", "rank"), ("alpha", "alpha"))
+        if lora[key] != getattr(model.lora, key)
+    ]
+    if sorted(lora["target_modules"] or []) != sorted(model.lora.target_modules or []):
+        differences.append(f"saved LoRA targets {sorted(lora['target_modules'])}, configured {sorted(model.lora.target_modules)} (model.lora.target_modules)")
+    return differences
+
+
+def kind_difference(full_saved: bool) -> str:
+    if full_saved:
+        return "saved the whole transformer (full fine-tuning, model.lora=null), configured a LoRA (model.lora)"
+    return "saved a LoRA, configured full fine-tuning (model.lora=null)"
+
+
+def weights_differences(weights: Path, shapes: Dict[str, list], lora_config) -> List[str]:
+    """What the weights' headers say, for a checkpoint whose state holds no config."""
     full = weights.name != LORA_FILE
-    if full and lora_config is not None:
-        raise DamagedCheckpoint(f"{directory}: holds a whole transformer (full fine-tuning), but model.lora is set; pass model.lora=null")
-    if not full and lora_config is None:
-        raise DamagedCheckpoint(f"{directory}: holds a LoRA, but model.lora=null (full fine-tuning) trains the whole transformer")
+    if full != (lora_config is None):
+        return [kind_difference(full_saved=full)]
+    return [] if full else lora_differences(shapes, lora_config)
 
 
-def check_lora_matches(lora_file: Path, shapes: Dict[str, list], lora_config) -> None:
+def lora_differences(shapes: Dict[str, list], lora_config) -> List[str]:
+    """A LoRA's tensors (names and shapes) against `lora_config`'s rank and targets."""
     ranks = {shape[0] for key, shape in shapes.items() if ".lora_A." in key}
     if ranks != {lora_config.rank}:
-        raise DamagedCheckpoint(f"{lora_file}: LoRA rank {sorted(ranks)}, but model.lora.rank={lora_config.rank}")
+        return [f"saved LoRA rank {', '.join(map(str, sorted(ranks)))}, configured {lora_config.rank} (model.lora.rank)"]
     modules = {key.split(".lora_A.")[0] for key in shapes if ".lora_A." in key}
     targets = set(lora_config.target_modules)
     found = {t for t in targets if any(m == t or m.endswith("." + t) for m in modules)}
     stray = sorted(m for m in modules if not any(m == t or m.endswith("." + t) for t in targets))
     if found != targets or stray:
-        raise DamagedCheckpoint(
-            f"{lora_file}: LoRA on other modules than model.lora.target_modules={sorted(targets)} "
-            f"(missing {sorted(targets - found)}, unexpected {stray[:3]})"
-        )
+        return [f"saved LoRA on other modules than model.lora.target_modules={sorted(targets)} (missing {sorted(targets - found)}, unexpected {stray[:3]})"]
+    return []
+
+
+def checkpoint_dirs(root: Path) -> List[Path]:
+    """The step directories under `root`, newest first."""
+    root = Path(root)
+    return sorted((p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()), key=step_of, reverse=True)
 
 
 def resumable_checkpoint(root: Path, model=None) -> Tuple[Optional[Path], List[str]]:
     """The newest intact checkpoint under `root` (None if there is none) and, for each newer
     one that is damaged, why it was passed over. `latest` is only a hint: a checkpoint it
-    names that is missing or damaged does not hide older intact ones."""
-    root = Path(root)
-    steps = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()), key=step_of, reverse=True)
+    names that is missing or damaged does not hide older intact ones. A checkpoint of
+    another configuration is not damaged: CheckpointMismatch, never passed over."""
     skipped = []
-    for directory in steps:
+    for directory in checkpoint_dirs(root):
         try:
             check_checkpoint(directory, model)
             return directory, skipped
         except DamagedCheckpoint as error:
             skipped.append(str(error))
     return None, skipped
+
+
+PEFT_LORA_FILE = "adapter_model.safetensors"
+LORA_PREFIXES = ("transformer.", "base_model.model.")  # diffusers' pipeline files, PEFT's save_pretrained
+
+
+def lora_file(path: Path) -> Path:
+    """The LoRA file `path` names: itself, or the diffusers or PEFT file in a directory."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        found = [path / name for name in (LORA_FILE, PEFT_LORA_FILE) if (path / name).is_file()]
+        if not found:
+            raise FileNotFoundError(f"{path}: holds neither {LORA_FILE} (diffusers) nor {PEFT_LORA_FILE} (PEFT)")
+        return found[0]
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such LoRA file or directory")
+    return path
+
+
+def transformer_lora_names(names) -> Dict[str, str]:
+    """A LoRA file's tensor names -> PEFT's names on the transformer (`...to_q.lora_A.weight`)."""
+    plain = {}
+    for name in names:
+        if ".lora_" not in name:
+            continue
+        prefix = next((p for p in LORA_PREFIXES if name.startswith(p)), "")
+        plain[name] = name[len(prefix):]
+    return plain
+
+
+def check_lora_file(path: Path, lora_config) -> Path:
+    """The LoRA file of `path`, its header read (no tensors): of `lora_config`'s rank and targets.
+    Raises DamagedCheckpoint or CheckpointMismatch naming the file."""
+    from safetensors import safe_open
+
+    file = lora_file(path)
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            names = transformer_lora_names(f.keys())
+            shapes = {plain: f.get_slice(name).get_shape() for name, plain in names.items()}
+    except Exception as error:  # safetensors raises its own error types for a bad header
+        raise DamagedCheckpoint(f"{file}: unreadable safetensors ({error})") from None
+    if not shapes:
+        raise CheckpointMismatch(f"{file}: holds no transformer LoRA tensors (names with .lora_A./.lora_B.)")
+    differences = lora_differences(shapes, lora_config)
+    if differences:
+        raise CheckpointMismatch(f"{file}: {'; '.join(differences)}")
+    return file
+
+
+def load_lora_file(path: Path) -> Dict[str, torch.Tensor]:
+    """A LoRA file's transformer tensors under PEFT's names (as `lora_state_dict` returns them)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(lora_file(path)))
+    return {plain: tensors[name] for name, plain in transformer_lora_names(tensors).items()}
+
+
+def prune_checkpoints(checkpoints: List[Path], keep: int) -> List[Path]:
+    """Delete all but the newest `keep` of `checkpoints`; returns the deleted ones. Each is
+    renamed to a hidden leftover first, which the next start cleans if the deletion is cut."""
+    deleted = []
+    for old in sorted(set(checkpoints), key=step_of)[:-keep]:
+        aside = old.parent / f".{old.name}.pruned"
+        os.replace(old, aside)
+        shutil.rmtree(aside)
+        deleted.append(old)
+    return deleted
 
 
 def latest_checkpoint(root: Path) -> Optional[Path]:

@@ -10,11 +10,14 @@ from moviepy 2, and otherwise logs nothing but a printed line).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Dict, Optional
 
 import torch
 from omegaconf import OmegaConf
+
+log = logging.getLogger(__name__)
 
 
 def image_grid(images: torch.Tensor, columns: int = 8) -> torch.Tensor:
@@ -27,36 +30,57 @@ def image_grid(images: torch.Tensor, columns: int = 8) -> torch.Tensor:
     return padded.reshape(rows, columns, c, h, w).permute(2, 0, 3, 1, 4).reshape(c, rows * h, columns * w)
 
 
+# The import behind each optional backend, and the extra that installs it.
+BACKEND_IMPORTS = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow")}
+
+
+def missing_backends(backends) -> Dict[str, str]:
+    """{backend: what to install} for the chosen backends whose package is not installed."""
+    import importlib.util
+
+    missing = {}
+    for backend in backends:
+        module, extra = BACKEND_IMPORTS.get(backend, (None, None))
+        if module is not None and importlib.util.find_spec(module) is None:
+            missing[backend] = f"pip install 'omni-recipes[{extra}]'"
+    return missing
+
+
 class MetricsLogger:
     def __init__(self, cfg, output_dir: Path):
         self.output_dir = Path(output_dir)
         self.fps = cfg.rollout.fps or cfg.model.fps
         self.backends = [backend.value for backend in cfg.logger.backends]
         self.console_every = cfg.logger.console_every
-        self.wandb = self.tensorboard = None
+        self.wandb = self.tensorboard = self.mlflow = None
+        config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+        run = cfg.logger
         if "wandb" in self.backends:
             import wandb
 
-            self.wandb = wandb.init(
-                project=cfg.logger.wandb_project,
-                mode=cfg.logger.wandb_mode.value,
-                dir=str(output_dir),
-                config=OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True),
-            )
+            self.wandb = wandb.init(project=run.wandb_project, mode=run.wandb_mode.value, dir=str(output_dir), config=config,
+                                    name=run.run_name, group=run.group, tags=list(run.tags) or None)
         if "tensorboard" in self.backends:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"))
+            self.tensorboard.add_text("run", f"name: {run.run_name}, group: {run.group}, tags: {', '.join(run.tags)}", 0)
+        if "mlflow" in self.backends:
+            self.mlflow = start_mlflow_run(run, self.output_dir, config)
 
-    def log(self, metrics: Dict[str, float], step: int, echo=print, force_console: bool = False) -> None:
+    def log(self, metrics: Dict[str, float], step: int, force_console: bool = False) -> None:
+        """`metrics` to every backend; the console backend writes them through `logging` (the
+        console and Hydra's `<job>.log` in the run directory) every `console_every` steps."""
         if "console" in self.backends and (force_console or step % self.console_every == 0):
             shown = " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
-            echo(f"step {step}: {shown}")
+            log.info("step %d: %s", step, shown)
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         if self.tensorboard is not None:
             for key, value in metrics.items():
                 self.tensorboard.add_scalar(key, value, step)
+        if self.mlflow is not None:
+            self.mlflow.log_metrics(metrics, step=step)
 
     def log_images(self, images: torch.Tensor, step: int, tag: str = "rollout/images") -> None:
         """One grid of `images` (in [0, 1]; clips: a row of frames each) to every image backend, as 8-bit pixels: wandb
@@ -86,7 +110,8 @@ class MetricsLogger:
         if self.wandb is not None:
             import wandb
 
-            self.wandb.log({tag: wandb.Video(str(path), fps=self.fps, format="mp4")}, step=step)
+            # the mp4 carries its frame rate; wandb ignores (and warns about) an fps given with a file
+            self.wandb.log({tag: wandb.Video(str(path), format="mp4")}, step=step)
         if self.tensorboard is not None:
             from tensorboard.compat.proto.summary_pb2 import Summary
 
@@ -100,3 +125,19 @@ class MetricsLogger:
             self.wandb.finish()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.mlflow is not None:
+            self.mlflow.end_run()
+
+
+def start_mlflow_run(run, output_dir: Path, config: dict):
+    """An mlflow run (the module, with its active run) named and tagged as `logger` says, in
+    the experiment `logger.group`, recording to `logger.mlflow_tracking_uri` (or the run
+    directory's `mlruns/`)."""
+    import mlflow
+
+    mlflow.set_tracking_uri(run.mlflow_tracking_uri or (output_dir / "mlruns").resolve().as_uri())
+    if run.group:
+        mlflow.set_experiment(run.group)
+    mlflow.start_run(run_name=run.run_name, tags={tag: "true" for tag in run.tags})
+    mlflow.log_dict(config, "config.json")
+    return mlflow

@@ -20,10 +20,13 @@ from typing import Dict, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from omni import checkpoint
+from omni.atomic import write_text
 from omni.algorithms import get_algorithm
 from omni.config import TrainConfig
+from omni.config.errors import ConfigError, require
 from omni.config.validate import validate
 from omni.context import StepContext, means, step_seeds
 from omni.data.prompts import load_prompts
@@ -32,10 +35,25 @@ from omni.loggers import MetricsLogger
 from omni.models import get_family
 from omni.rewards import WeightedReward
 from omni.rewards.base import RewardUnavailable
+from omni.rollout.engine_client import EngineError, EngineUnreachable
 from omni.run_lock import RunLock
+from omni.schedules import lr_factor
 from omni.workers import WorkerFailure, build_actor_rollout
 
 logger = logging.getLogger(__name__)
+
+# In the run directory: the config as validated and resolved, the one the run uses.
+CONFIG_FILE = "resolved_config.yaml"
+
+
+# What the progress bar shows: the quantities that move during training (a loss near zero
+# by construction, as GRPO's is, tells nothing), under short names, those a step reports.
+PROGRESS_FIELDS = {"reward/reward": "reward", "train/kl": "kl", "train/clip_fraction": "clipped",
+                   "train/implicit_accuracy": "accuracy", "train/reward_margin": "margin", "train/grad_norm": "grad", "train/lr": "lr"}
+
+
+def progress_fields(metrics: Dict[str, float]) -> Dict[str, str]:
+    return {short: f"{metrics[key]:.3g}" for key, short in PROGRESS_FIELDS.items() if key in metrics}
 
 
 class TrainingStopped(RuntimeError):
@@ -63,6 +81,7 @@ class Trainer:
         self.ctx = StepContext(cfg, self.family, train_prompts, eval_prompts, reward)
         self.algorithm = get_algorithm(cfg.algorithm.name)(self.ctx)  # reads its data before any model loads
         self.resume_dir = self._resume_dir()  # checked before any model loads
+        self.own_checkpoints = self.continued_checkpoints()  # what keep_last_checkpoints may delete
         self.start_step = 0
         self.bad_steps = 0  # consecutive steps whose update had a non-finite gradient
         self.ema = LoraEMA(cfg.trainer.ema_decay) if cfg.trainer.ema_decay is not None else None
@@ -75,6 +94,7 @@ class Trainer:
     # ----------------------------------------------------------------- set-up
     def setup(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        write_text(self.output_dir / CONFIG_FILE, self.config_yaml())
         self.ctx.reward.setup()
         keep_reference = self.algorithm.uses_reference(self.cfg)
         self.ctx.worker = build_actor_rollout(self.cfg, model_path(self.cfg.model), keep_reference)
@@ -82,20 +102,43 @@ class Trainer:
         self.ctx.logger = MetricsLogger(self.cfg, self.output_dir)
         if self.resume_dir is not None:
             self.load_checkpoint(self.resume_dir)
+        elif self.cfg.model.lora is not None and self.cfg.model.lora.init_from is not None:
+            self.load_initial_lora(self.cfg.model.lora.init_from)
 
     def _resume_dir(self) -> Optional[Path]:
         """The checkpoint to continue from: `trainer.resume`, or with "auto" the newest intact
         one (damaged ones are named in the log and passed over), after cleaning up what a
-        killed save left behind."""
+        killed save left behind. Refused (ConfigError, before any model loads): checkpoints of
+        another configuration, checkpoints none of which can be used, and a run that would
+        write over checkpoints it does not continue from."""
         resume = self.cfg.trainer.resume
-        if resume != "auto":
-            return Path(resume) if resume else None
-        for done in checkpoint.clean_interrupted_writes(self.checkpoint_dir):
-            logger.warning("checkpoints: %s (left by an interrupted save)", done)
-        found, skipped = checkpoint.resumable_checkpoint(self.checkpoint_dir, self.cfg.model)
-        for reason in skipped:
-            logger.warning("trainer.resume=auto passes over a damaged checkpoint: %s", reason)
+        if resume == "auto":
+            for done in checkpoint.clean_interrupted_writes(self.checkpoint_dir):
+                logger.warning("checkpoints: %s (left by an interrupted save)", done)
+            try:
+                found, skipped = checkpoint.resumable_checkpoint(self.checkpoint_dir, self.cfg.model)
+            except checkpoint.CheckpointMismatch as error:
+                raise ConfigError(f"trainer.resume=auto: {error}; nothing was written. To start afresh, {self.elsewhere()}") from None
+            require(not skipped or found is not None,
+                    f"trainer.resume=auto found checkpoints in {self.checkpoint_dir} but none it can use: "
+                    f"{'; '.join(skipped)}. Nothing was written; to start afresh, {self.elsewhere()}")
+            for reason in skipped:  # only newer ones than `found`, which its later saves replace
+                logger.warning("trainer.resume=auto passes over a damaged checkpoint: %s", reason)
+            return found
+        found = Path(resume) if resume else None
+        self.check_no_overwrite(found)
         return found
+
+    def check_no_overwrite(self, resumed: Optional[Path]) -> None:
+        """The checkpoints this run would replace: those after the step it starts from."""
+        start = checkpoint.step_of(resumed) if resumed is not None else 0
+        later = [p.name for p in checkpoint.checkpoint_dirs(self.checkpoint_dir) if checkpoint.step_of(p) > start]
+        how = f"continues from {resumed}" if resumed is not None else "starts at step 0"
+        require(not later, f"{self.checkpoint_dir} holds checkpoints of an earlier run ({', '.join(reversed(later))}) that this run "
+                           f"would write over: it {how}. Continue that run with trainer.resume=auto, or {self.elsewhere()}")
+
+    def elsewhere(self) -> str:
+        return f"give this run its own directory (hydra.run.dir=...) or move {self.checkpoint_dir} away"
 
     # ----------------------------------------------------------------- evaluation
     def eval_metrics(self, scores: Dict[str, torch.Tensor]) -> Dict[str, float]:
@@ -128,35 +171,37 @@ class Trainer:
 
     # ----------------------------------------------------------------- training
     def train(self) -> float:
-        trainer, logger = self.cfg.trainer, self.ctx.logger
+        trainer, metrics_log = self.cfg.trainer, self.ctx.logger
         self.position = "the evaluation before training"
         initial = self.evaluate()
-        logger.log(self.eval_metrics(initial), self.start_step, echo=tqdm.write, force_console=True)
+        metrics_log.log(self.eval_metrics(initial), self.start_step, force_console=True)
         if trainer.eval_only:
             reward = float(initial["reward"].mean())
-            print(f"eval-only run (trainer.eval_only=true, no training): held-out reward {reward:.4f} at step {self.start_step}")
+            logger.info("eval-only run (trainer.eval_only=true, no training): held-out reward %.4f at step %d", reward, self.start_step)
             return reward
         bar = tqdm(range(self.start_step, trainer.steps), desc=self.cfg.algorithm.name, disable=not trainer.progress_bar, initial=self.start_step, total=trainer.steps)
-        for step in bar:
-            self.position = f"training step {step + 1}"
-            metrics = self.algorithm.step(step)
-            if self.ema is not None:
-                self.ema.update(self.worker.lora_state_dict())
-            self.count_bad_step(metrics, step + 1)
-            bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.4f}" for k in ("reward/reward", "train/loss") if k in metrics})
-            done = step + 1
-            if trainer.eval_every and done % trainer.eval_every == 0 and done < trainer.steps:
-                metrics.update(self.eval_metrics(self.evaluate()))
-            logger.log(metrics, done, echo=tqdm.write)
-            if trainer.save_every and done % trainer.save_every == 0 and done < trainer.steps:
-                self.save_checkpoint(done)
+        with logging_redirect_tqdm():  # log lines above the bar, not through it
+            for step in bar:
+                self.position = f"training step {step + 1}"
+                lr = self.worker.set_lr(trainer.lr * lr_factor(step, trainer.steps, trainer.lr_schedule.value, trainer.warmup_steps))
+                metrics = {**self.algorithm.step(step), "train/lr": lr}
+                if self.ema is not None:
+                    self.ema.update(self.worker.lora_state_dict())
+                self.count_bad_step(metrics, step + 1)
+                bar.set_postfix(progress_fields(metrics), refresh=False)
+                done = step + 1
+                if trainer.eval_every and done % trainer.eval_every == 0 and done < trainer.steps:
+                    metrics.update(self.eval_metrics(self.evaluate()))
+                metrics_log.log(metrics, done)
+                if trainer.save_every and done % trainer.save_every == 0 and done < trainer.steps:
+                    self.save_checkpoint(done)
         self.position = "the final evaluation"
         final = self.evaluate()
-        logger.log(self.eval_metrics(final), trainer.steps, echo=tqdm.write, force_console=True)
+        metrics_log.log(self.eval_metrics(final), trainer.steps, force_console=True)
         self.save_checkpoint(trainer.steps)
         self.write_eval_summary(initial["reward"], final["reward"])
         before, after = float(initial["reward"].mean()), float(final["reward"].mean())
-        print(f"eval reward (held-out prompts and seeds): before {before:.4f} -> after {after:.4f}")
+        logger.info("eval reward (held-out prompts and seeds): before %.4f -> after %.4f", before, after)
         return after
 
     def count_bad_step(self, metrics: Dict[str, float], step: int) -> None:
@@ -178,19 +223,30 @@ class Trainer:
         (self.output_dir / "eval.json").write_text(json.dumps(summary))
 
     # ----------------------------------------------------------------- checkpoints
+    def config_yaml(self) -> str:
+        """The resolved, validated config the run uses (not Hydra's `.hydra/config.yaml`, which
+        is the composed one, before validation filled in the model's values)."""
+        return OmegaConf.to_yaml(OmegaConf.structured(self.cfg))
+
     def save_checkpoint(self, step: int) -> Path:
         """The trained weights: the LoRA, or the whole transformer with full fine-tuning. The
         exported LoRA is the EMA when there is one; the trained LoRA, which training
         continues from, then goes into the trainer state."""
-        config_yaml = OmegaConf.to_yaml(OmegaConf.structured(self.cfg))
-        state = {"optimizer": self.worker.optimizer_state_dict(), "rng": checkpoint.rng_state(), "config": config_yaml,
+        state = {"optimizer": self.worker.optimizer_state_dict(), "rng": checkpoint.rng_state(), "config": self.config_yaml(),
                  "algorithm": self.algorithm.state_dict()}
         weights = self.worker.trained_state_dict()
         if self.ema is not None:
             state["trained_lora"], weights = weights, self.ema.weights(weights)
         lora = self.cfg.model.lora
         config = None if lora is not None else self.family.transformer_config(model_path(self.cfg.model))
-        return checkpoint.save_checkpoint(self.checkpoint_dir, step, weights, lora, state, self.family, config)
+        saved = checkpoint.save_checkpoint(self.checkpoint_dir, step, weights, lora, state, self.family, config)
+        self.own_checkpoints.append(saved)
+        keep = self.cfg.trainer.keep_last_checkpoints
+        if keep is not None:
+            for old in checkpoint.prune_checkpoints(self.own_checkpoints, keep):
+                logger.info("deleted %s (trainer.keep_last_checkpoints=%d)", old, keep)
+            self.own_checkpoints = [p for p in self.own_checkpoints if p.exists()]
+        return saved
 
     def load_checkpoint(self, directory: Path) -> None:
         exported, state = checkpoint.load_checkpoint(directory, self.family)
@@ -201,6 +257,23 @@ class Trainer:
         checkpoint.set_rng_state(state["rng"])
         self.start_step = state["step"]
         self.algorithm.load_state_dict(state.get("algorithm", {}), self.start_step)
+
+    def load_initial_lora(self, path: str) -> None:
+        """`model.lora.init_from`: the LoRA training starts from (checked at validation)."""
+        file = checkpoint.lora_file(Path(path))
+        try:
+            self.worker.load_lora(checkpoint.load_lora_file(file))
+        except (KeyError, ValueError) as error:
+            raise ConfigError(f"model.lora.init_from={path}: {file} does not fit this model's LoRA: {error}") from None
+        logger.info("LoRA initialised from %s", file)
+
+    def continued_checkpoints(self) -> list:
+        """The checkpoints of the run this one continues, in its own directory: the resumed
+        one and those before it. A checkpoint resumed from another directory is not ours."""
+        if self.resume_dir is None or self.resume_dir.resolve().parent != self.checkpoint_dir.resolve():
+            return []
+        start = checkpoint.step_of(self.resume_dir)
+        return [p for p in checkpoint.checkpoint_dirs(self.checkpoint_dir) if checkpoint.step_of(p) <= start]
 
     def cleanup(self) -> None:
         """Close what `setup` opened, also after a set-up that failed half-way."""
@@ -220,10 +293,10 @@ def run(cfg: DictConfig | TrainConfig) -> float:
         try:
             trainer.setup()
             return trainer.train()
-        except (WorkerFailure, TrainingStopped, RewardUnavailable) as failure:
+        except (WorkerFailure, TrainingStopped, RewardUnavailable, EngineUnreachable, EngineError, checkpoint.CheckpointSaveFailed) as failure:
             raise type(failure)(f"{failure}; during {trainer.position}. Training stopped: {kept(trainer)}") from None
         except KeyboardInterrupt:
-            print(f"\ninterrupted during {trainer.position}. {kept(trainer)}", flush=True)
+            logger.error("interrupted during %s. %s", trainer.position, kept(trainer))
             raise SystemExit(130) from None
         finally:
             trainer.cleanup()

@@ -4,24 +4,12 @@
     python recipes/train.py model=sd3 model.path=/ckpt/sd3.5-medium rollout=vllm trainer=gpu
     python recipes/train.py -m seed=1,2 algorithm.clip_range=1e-4,2e-4
 
-Compose -> validate (before any model loads) -> build -> train. Returns the final
+The same as the installed `omni-train` command (omni/cli.py): compose the config groups of
+omni/conf/ -> validate (before any model loads) -> build -> train. Returns the final
 evaluation reward, so Hydra sweepers can optimise it.
 """
 
-import hydra
-from omegaconf import DictConfig
-
-from omni.config import register_configs
-
-register_configs()
-
-
-@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> float:
-    from omni.trainer import run
-
-    return run(cfg)
-
+from omni.cli import train
 
 if __name__ == "__main__":
-    main()
+    train()

@@ -108,7 +108,7 @@ def memory(work: Path, model_cache: str, sizes, steps: int) -> dict:
 def speed(work: Path, model_cache: str, n: int, batch_size: int, baseline, repeats: int, image_size: int, image_format: str) -> dict:
     pairs = make_pairs(work / f"speed-{n}", n, "jsonl", image_size, image_format)
     steps = n // batch_size  # one epoch: every pair encoded once on each path
-    common = ["data.pairs_eval_fraction=0", ENCODER]
+    common = ["data.pairs_eval_fraction=0", "data.latent_cache=null", ENCODER]
     cache = work / f"speed-{n}-latents"
     tick = time.perf_counter()
     subprocess.run([sys.executable, str(REPO / "scripts" / "cache_latents.py"), "algorithm=dpo", "data=pairs", ENCODER,

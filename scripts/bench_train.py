@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from omni.config import register_configs
+from omni.config import CONF_DIR, register_configs
 from omni.config.validate import validate
 from omni.algorithms import flow_grpo
 from omni.context import step_seeds
@@ -44,7 +44,7 @@ from omni.rewards.base import Reward, RewardOptions
 from omni.rewards.brightness import brightness
 from omni.trainer import Trainer
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+CONF = str(CONF_DIR)
 
 
 def fastest(fn, repeats: int):

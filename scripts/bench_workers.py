@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from omni.config import register_configs
+from omni.config import CONF_DIR, register_configs
 from omni.config.validate import validate
 from omni.trainer import Trainer
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+CONF = str(CONF_DIR)
 # inside the workers: the update's seconds, and those of a replicated base's gradient all-reduces
 WORKER_TIMES = ("train/worker_seconds", "train/allreduce_seconds")
 

@@ -24,7 +24,9 @@ def run_config(overrides):
     from omni.config.validate import validate
 
     register_configs()
-    conf = str(Path(__file__).resolve().parents[1] / "conf")
+    from omni.config import CONF_DIR
+
+    conf = str(CONF_DIR)
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
         return validate(compose("train", overrides=["output_dir=/tmp/cache-latents", *overrides]))
 
@@ -37,11 +39,11 @@ def main(argv=None) -> None:
     from omni.workers.actor_rollout import torch_dtype
 
     cfg = run_config(sys.argv[1:] if argv is None else argv)
-    if not cfg.data.latent_cache:
-        raise SystemExit("set data.latent_cache=DIR: the directory to write the cache to")
     data = PairData(cfg)  # scans the pairs, or checks a complete cache against this run
+    if data.cache_dir is None:
+        raise SystemExit("set data.latent_cache=DIR: the directory to write the cache to (auto caches only pairs encoded by decoder inversion)")
     if data.cache is not None:
-        print(f"data.latent_cache={cfg.data.latent_cache} is complete: {len(data.cache)} pairs")
+        print(f"data.latent_cache={data.cache_dir} is complete: {len(data.cache)} pairs")
         return
     device = pick_device(cfg.trainer.device, 0)
     engine = load_diffusers_engine(get_family(cfg.model.family), model_dir(cfg.model), device,
@@ -49,7 +51,7 @@ def main(argv=None) -> None:
                                    vae_inversion_steps=cfg.model.vae_inversion_steps)
     tick = time.perf_counter()
     data.ensure_cache(engine, cfg.rollout.resolution, cfg.model.max_sequence_length, progress=True)
-    print(f"data.latent_cache={cfg.data.latent_cache}: {len(data.cache)} pairs in {time.perf_counter() - tick:.1f} s ({data.stats})")
+    print(f"data.latent_cache={data.cache_dir}: {len(data.cache)} pairs in {time.perf_counter() - tick:.1f} s ({data.stats})")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,9 @@ def run_config(overrides):
     from omni.config import register_configs
 
     register_configs()
-    conf = str(Path(__file__).resolve().parents[1] / "conf")
+    from omni.config import CONF_DIR
+
+    conf = str(CONF_DIR)
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
         cfg = compose("train", overrides=["output_dir=/tmp/estimate", *overrides])
     return cfg

@@ -21,9 +21,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from omni.config import register_configs
+from omni.config import CONF_DIR, register_configs
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+CONF_DIR = str(CONF_DIR)
 os.environ.setdefault("WANDB_SILENT", "true")
 
 

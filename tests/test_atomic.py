@@ -1,5 +1,8 @@
 """Atomic writes leave either the old content or the new, never a half-written one."""
 
+import os
+import stat
+
 import pytest
 
 from omni.atomic import write_directory, write_text
@@ -52,3 +55,17 @@ def test_replacing_never_leaves_the_old_content_nowhere(tmp_path, monkeypatch):
         write_directory(final, lambda tmp: (tmp / "weights.bin").write_bytes(b"new"))
     kept = [p.read_bytes() for p in tmp_path.rglob("weights.bin")]
     assert b"old" in kept
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_what_is_renamed_into_place_respects_the_umask(tmp_path, umask):
+    """Not the private 0700/0600 of the temporary names: the modes `mkdir` and `open` give."""
+    old = os.umask(umask)
+    try:
+        final = write_directory(tmp_path / "step_000001", lambda tmp: (tmp / "sub").mkdir() or (tmp / "sub" / "w").write_bytes(b"1"))
+        write_text(tmp_path / "latest", "step_000001")
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert (mode(final), mode(final / "sub")) == (0o777 & ~umask,) * 2
+    assert (mode(final / "sub" / "w"), mode(tmp_path / "latest")) == (0o666 & ~umask,) * 2

@@ -89,3 +89,46 @@ def test_video_logging_without_an_mp4_encoder_fails_at_validation(tmp_path, tiny
     validate(compose_config(overrides, tmp_path))  # no video logged: no encoder needed
     with pytest.raises(ConfigError, match=r"logger.image_every=2 .*omni-recipes\[video\]"):
         validate(compose_config(overrides + ["logger.image_every=2"], tmp_path))
+
+
+def test_video_logging_warns_of_nothing(tmp_path, tiny_cache, capfd, monkeypatch):
+    """wandb warns when given an fps with a file (the mp4 carries its own frame rate)."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_SILENT", "false")  # wandb's warnings printed, as a user sees them
+    wandb.teardown()  # so that wandb reads its settings again (an earlier run in this process read them)
+    cfg = validate(compose_config(["logger=wandb", "logger.wandb_mode=offline", f"model.cache_dir={tiny_cache}", "rollout.fps=8"], tmp_path))
+    logger = MetricsLogger(cfg, tmp_path)
+    logger.log_images(torch.rand(2, 3, 3, 8, 8), step=1)
+    logger.close()
+    captured = capfd.readouterr()
+    assert "wandb" in captured.err  # wandb speaks here (its sync hint), so a warning would show
+    assert "WARNING" not in captured.out + captured.err, captured.err
+
+
+def test_run_name_group_and_tags_reach_the_backends(tmp_path, tiny_cache):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    named = ["logger.run_name=lr-3e-4", "logger.group=sweep-a", "logger.tags=[tiny,cosine]"]
+    cfg = validate(compose_config(["logger=all", "logger.wandb_mode=offline", f"model.cache_dir={tiny_cache}", *named], tmp_path))
+    logger = MetricsLogger(cfg, tmp_path)
+    run = logger.wandb
+    assert (run.name, run.group, tuple(run.tags)) == ("lr-3e-4", "sweep-a", ("tiny", "cosine"))
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    text = events.Tensors("run/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert text == "name: lr-3e-4, group: sweep-a, tags: tiny, cosine"
+
+
+def test_a_logger_backend_not_installed_is_named_with_its_extra(tmp_path, tiny_cache):
+    import importlib.util
+
+    import pytest
+
+    from omni.config.errors import ConfigError
+
+    if importlib.util.find_spec("mlflow") is not None:
+        pytest.skip("mlflow is installed here")
+    with pytest.raises(ConfigError, match=r"logger.backends has mlflow, which is not installed: pip install 'omni-recipes\[mlflow\]'"):
+        validate(compose_config(["logger=mlflow", f"model.cache_dir={tiny_cache}"], tmp_path))

@@ -42,6 +42,7 @@ from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from omni.algorithms.base import Algorithm
 from omni.algorithms.dpo_pairs import EVAL_CHUNK, PairBatch, PairData, split_digest
@@ -243,9 +244,11 @@ class OfflineDPO(Algorithm):
         pairs = data.pairs
         require(glob.has_magic(pairs) or Path(pairs).expanduser().exists(), f"data.pairs={pairs}: no such file or directory")
         cache = data.latent_cache
-        require(not cache or not Path(cache).expanduser().is_file(), f"data.latent_cache={cache}: a file, expected a directory")
+        require(not cache or cache == "auto" or not Path(cache).expanduser().is_file(), f"data.latent_cache={cache}: a file, expected a directory")
         fraction = data.pairs_eval_fraction
         require(0 <= fraction < 1, f"data.pairs_eval_fraction={fraction}: expected a share in [0, 1)")
+        cap = data.pairs_eval_max
+        require(cap is None or cap > 0, f"data.pairs_eval_max={cap}: expected a positive number of held-out pairs (null: all)")
         require(data.num_workers >= 0, f"data.num_workers={data.num_workers}: expected 0 (decode in the driver) or more")
 
     def __init__(self, ctx):
@@ -253,10 +256,10 @@ class OfflineDPO(Algorithm):
         super().__init__(ctx)
         self.data = PairData(self.cfg)
         steps = self.cfg.model.vae_inversion_steps
-        if steps and not self.cfg.data.latent_cache:
+        if steps and self.data.cache_dir is None:
             logger.warning(
-                "model.vae_inversion_steps=%d: each pair's images are encoded by %d decoder passes every time the pair is "
-                "used; data.latent_cache=DIR encodes them once", steps, steps,
+                "model.vae_inversion_steps=%d with data.latent_cache=null: each pair's images are encoded by %d decoder passes "
+                "every time the pair is used; data.latent_cache=auto (the default) encodes them once", steps, steps,
             )
         self.consumed = 0  # the data position: training pairs taken so far
         self.batches = None  # the provider's iterator, opened at the first step
@@ -289,7 +292,12 @@ class OfflineDPO(Algorithm):
         if not len(self.data.held_out):
             return {}
         parts = []
-        for chunk, pairs in enumerate(self.provider.eval_batches()):
+        n_chunks = -(-len(self.data.held_out) // EVAL_CHUNK)
+        batches = tqdm(
+            self.provider.eval_batches(), desc="eval pairs", total=n_chunks, unit="chunk", leave=False,
+            disable=not self.cfg.trainer.progress_bar or n_chunks < 2,
+        )
+        for chunk, pairs in enumerate(batches):
             if pairs is not None:  # the first chunk draws the noise a single batch did
                 seed = self.cfg.trainer.eval_seed + chunk * 1_000_000_007
                 parts.append((len(pairs), self.ctx.worker.evaluate(evaluate, pairs, seed)))

@@ -75,30 +75,45 @@ class PairData:
         self.cache: Optional[latent_cache.LatentCache] = None
         self.first_bad: Optional[str] = None
         self.conditioning = family.conditioning
-        self.cache_key = latent_cache.cache_key(cfg, self.source, family, model_dir(cfg.model)) if data.latent_cache else None
-        if self.cache_key is not None and latent_cache.is_complete(data.latent_cache):
-            self.cache = latent_cache.open_cache(data.latent_cache, self.cache_key, self.conditioning, data.skip_bad_rows)
+        wanted = data.latent_cache and (data.latent_cache != latent_cache.AUTO or cfg.model.vae_inversion_steps)
+        self.cache_key = latent_cache.cache_key(cfg, self.source, family, model_dir(cfg.model)) if wanted else None
+        self.cache_dir = None if self.cache_key is None else latent_cache.cache_directory(
+            data.latent_cache, self.cache_key, cfg.model.cache_dir, cfg.model.vae_inversion_steps
+        )
+        if self.cache_dir is not None and latent_cache.is_complete(self.cache_dir):
+            self.cache = latent_cache.open_cache(self.cache_dir, self.cache_key, self.conditioning, data.skip_bad_rows)
             self.rows, self.stats = self.cache.rows, dict(self.cache.stats)
         else:
             found = scan(self.source, key, data.skip_bad_rows)
             self.rows, self.stats, self.first_bad = found.good_rows, found.stats, found.first_bad
-        self.train, self.held_out = split_positions(len(self.rows), data.pairs_eval_fraction, cfg.seed)
+        self.train, held_out = split_positions(len(self.rows), data.pairs_eval_fraction, cfg.seed)
+        self.held_out = held_out[: data.pairs_eval_max]  # the rest of the share is neither trained on nor scored
+        if len(self.held_out) < len(held_out):
+            logger.info(
+                "evaluating on %d of the %d held-out pairs (data.pairs_eval_max=%d)", len(self.held_out), len(held_out), data.pairs_eval_max
+            )
 
     def ensure_cache(self, encoder, resolution: int, max_sequence_length: int, progress: bool) -> None:
-        """Build `data.latent_cache` with `encoder` (a worker or a rollout engine) unless it is
+        """Build the latent cache with `encoder` (a worker or a rollout engine) unless it is
         complete, then open it."""
         data = self.cfg.data
-        if self.cache is None:
-            latent_cache.build_cache(
-                data.latent_cache, self.cache_key, self.source, self.rows, self.stats, encoder, resolution,
-                max_sequence_length, data.skip_bad_rows, self.first_bad, data.num_workers, progress,
-            )
-            self.cache = latent_cache.open_cache(data.latent_cache, self.cache_key, self.conditioning, data.skip_bad_rows)
-            self.stats = dict(self.cache.stats)
+        if self.cache is not None:
+            return
+        with latent_cache.build_lock(self.cache_dir):
+            if not latent_cache.is_complete(self.cache_dir):  # another run may have built it meanwhile
+                logger.info("encoding the %d pairs once into the latent cache %s (data.latent_cache)", len(self.rows), self.cache_dir)
+                latent_cache.build_cache(
+                    self.cache_dir, self.cache_key, self.source, self.rows, self.stats, encoder, resolution,
+                    max_sequence_length, data.skip_bad_rows, self.first_bad, data.num_workers, progress,
+                )
+            cache = latent_cache.open_cache(self.cache_dir, self.cache_key, self.conditioning, data.skip_bad_rows)
+        if len(cache.rows) != len(self.rows) or not np.array_equal(cache.rows, self.rows):
+            raise ValueError(f"data.latent_cache={self.cache_dir} holds other rows than this run's scan of data.pairs; remove it to rebuild")
+        self.cache, self.stats = cache, dict(cache.stats)
 
     def provider(self, worker, options, progress: bool) -> "Provider":
         """The batches of the run: from the cache (built now if missing), or streamed."""
-        if self.cache_key is not None:
+        if self.cache_dir is not None:
             self.ensure_cache(worker, options.resolution, options.max_sequence_length, progress)
             return CachedPairs(self)
         return StreamedPairs(self, worker, options)

@@ -1,11 +1,16 @@
 """Typed configuration: the schemas of every config group and their registration with Hydra.
 
-`conf/train.yaml` starts from the `train_schema` node registered here, so each group's YAML
+The config groups ship in the package, in omni/conf/ (`CONF_DIR`; Hydra's `CONFIG_PATH`).
+`omni/conf/train.yaml` starts from the `train_schema` node registered here, so each group's YAML
 merges into a typed dataclass: an unknown key or a wrong type fails at composition, naming
-the key. Defaults live in the dataclasses; the YAML files state only what differs.
+the key (a key appended with `+key=value` gets past Hydra's check; validation's first step,
+`omni.config.validate.to_schema`, refuses it). Defaults live in the dataclasses; the YAML
+files state only what differs, and a mandatory field (`???`) may carry a `hint` in its
+metadata: what the error of a missing value tells the user to pass.
 """
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -26,6 +31,10 @@ from omni.config.reward import RewardConfig
 from omni.config.rollout import RolloutConfig, VllmRolloutConfig
 from omni.config.trainer import TrainerConfig
 from omni.rewards import REWARDS
+
+# The config groups: a folder of the package, so an installed (non-editable) omni-recipes has them.
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONFIG_PATH = "pkg://omni.conf"
 
 ALGORITHM_SCHEMAS = {"flow_grpo": FlowGRPOConfig, "flow_dppo": FlowDPPOConfig, "dpo": DPOConfig, "online_dpo": OnlineDPOConfig,
                      "diffusion_nft": DiffusionNFTConfig, "mix_grpo": MixGRPOConfig}
@@ -56,6 +65,8 @@ def register_configs() -> None:
 
 
 __all__ = [
+    "CONFIG_PATH",
+    "CONF_DIR",
     "AlgorithmConfig",
     "DPOConfig",
     "DiffusionNFTConfig",

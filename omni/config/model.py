@@ -23,6 +23,12 @@ class LoraConfig:
     # Modules left out although a target matches them (a name, or a suffix of one).
     exclude_modules: List[str] = field(default_factory=list)
     adapter_name: str = "default"
+    # Start from an existing LoRA instead of B = 0: a diffusers LoRA file or a directory
+    # holding one (`pytorch_lora_weights.safetensors`, as our checkpoints and diffusers'
+    # `save_lora_weights` write it) or PEFT's (`adapter_model.safetensors`). Its rank and
+    # targets must be this config's; checked before any model loads. A resumed run continues
+    # from its checkpoint instead.
+    init_from: Optional[str] = None
 
 
 @dataclass

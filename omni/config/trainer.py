@@ -1,7 +1,14 @@
 """Schema of the `trainer` group: steps, batch sizes, optimiser, workers, cadences."""
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Optional
+
+
+class LRSchedule(str, Enum):
+    constant = "constant"
+    linear = "linear"  # from trainer.lr down towards 0 at the last step
+    cosine = "cosine"  # half a cosine from trainer.lr down towards 0
 
 
 @dataclass
@@ -12,6 +19,10 @@ class TrainerConfig:
     # Samples per actor forward/backward; gradients are accumulated over the batch.
     micro_batch_size: int = 8
     lr: float = 3e-4
+    # The learning rate over the steps (omni/schedules.py): after `warmup_steps` steps that
+    # ramp up linearly to trainer.lr, `lr_schedule` takes it down (or keeps it).
+    lr_schedule: LRSchedule = LRSchedule.constant
+    warmup_steps: int = 0
     weight_decay: float = 1e-4
     max_grad_norm: float = 1.0
     device: str = "auto"
@@ -37,6 +48,10 @@ class TrainerConfig:
     eval_seed: int = 12345
     # Checkpoint every N steps (0: only at the end).
     save_every: int = 0
+    # Keep only the newest N checkpoints this run (and the run it continues, in its own
+    # directory) saved; older ones are deleted after each save. None: keep every checkpoint.
+    # Checkpoints of another run (one resumed from elsewhere) are never deleted.
+    keep_last_checkpoints: Optional[int] = None
     # A checkpoint directory to continue from, or "auto" for the newest intact one in output_dir.
     resume: Optional[str] = None
     # Stop after this many steps in a row whose gradient was not finite (their optimizer
@@ -45,6 +60,6 @@ class TrainerConfig:
     # Exponential moving average of the LoRA, updated after every step (omni/ema.py); when set,
     # evaluations and exported checkpoints use the average. None: off.
     ema_decay: Optional[float] = None
-    # Only evaluate (the initial or resumed policy): needs trainer.steps=0.
+    # Only evaluate (the initial or resumed policy) and exit; trainer.steps is not used.
     eval_only: bool = False
     progress_bar: bool = True

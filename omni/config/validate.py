@@ -1,21 +1,26 @@
 """Rules across config groups, checked after composition and before any model loads.
 
-`validate` converts the composed config once into the schema objects (`TrainConfig` and its
-dataclasses, enums for closed sets), fills what other groups leave to the model family
-(resolution, guidance, LoRA targets; float32 for full fine-tuning, `model.lora=null`), types each reward's options, checks every rule (each
-error names the keys involved) and returns the config the run uses.
+`validate` refuses a mandatory value left unset and a key no schema has, converts the
+composed config once into the schema objects (`TrainConfig` and its dataclasses, enums for
+closed sets), fills what other groups leave to the model family (resolution, guidance, LoRA
+targets; float32 for full fine-tuning, `model.lora=null`), types each reward's options,
+checks every rule (each error names the keys involved; an engine to attach to must answer)
+and returns the config the run uses.
 """
 
 from __future__ import annotations
 
 import copy
+import math
+import dataclasses
+import re
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from omni.algorithms import get_algorithm
-from omni.checkpoint import DamagedCheckpoint, check_checkpoint
+from omni.checkpoint import CheckpointMismatch, DamagedCheckpoint, check_checkpoint, check_lora_file
 from omni.config import TrainConfig
 from omni.config.errors import ConfigError, require
 from omni.config.model import DType
@@ -40,6 +45,7 @@ def _lookup(getter, *args):
 def check_model(model) -> ModelFamily:
     family = _lookup(get_family, model.family)
     if model.tiny_seed is None:
+        check_not_hub_id(model.path)
         try:
             family.check_path(model.path, "model.path")
         except (OSError, ValueError) as error:
@@ -68,7 +74,24 @@ def check_model(model) -> ModelFamily:
         require(bool(model.lora.adapter_name), "model.lora.adapter_name must not be empty")
         require(len(model.lora.target_modules) > 0, "model.lora.target_modules is empty")
         check_lora_targets(model, family)
+        if model.lora.init_from is not None:
+            try:
+                check_lora_file(Path(model.lora.init_from), model.lora)
+            except (OSError, DamagedCheckpoint, CheckpointMismatch) as error:
+                raise ConfigError(f"model.lora.init_from={model.lora.init_from}: {error}") from None
     return family
+
+
+def check_not_hub_id(path) -> None:
+    """A Hugging Face hub id (owner/name, no such local directory) given as model.path."""
+    if not path or Path(path).expanduser().exists() or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", str(path)):
+        return
+    local = f"/ckpt/{str(path).split('/')[-1]}"
+    raise ConfigError(
+        f"model.path={path}: no such local directory; it looks like a Hugging Face hub id, but models load from "
+        f"local directories: download it once (huggingface-cli download {path} --local-dir {local}) and pass "
+        f"model.path={local}"
+    )
 
 
 def check_lora_targets(model, family: ModelFamily) -> None:
@@ -113,6 +136,7 @@ def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
     require(rollout.guidance_scale >= 0, f"rollout.guidance_scale={rollout.guidance_scale} must be >= 0 (1 or less: no CFG)")
     require(rollout.micro_batch_size > 0, "rollout.micro_batch_size must be positive")
     check_share_actor(cfg)
+    check_shared_actor_options(cfg)
     check_full_finetuning_sync(cfg)
     require(
         not (rollout.layered_summon and not rollout.load_base),
@@ -153,12 +177,37 @@ def check_share_actor(cfg: TrainConfig) -> None:
     )
 
 
+def check_shared_actor_options(cfg: TrainConfig) -> None:
+    """An engine sampling with the actor's transformer (`shares_actor`, LoRA or full
+    fine-tuning alike) loads no copy of its own and is never synced: the options of its own
+    copy and of the sync would do nothing."""
+    rollout = cfg.rollout
+    if not shares_actor(cfg):
+        return
+    shared = (
+        f"a shared actor (rollout.share_actor={'true' if rollout.share_actor else 'null, shared where possible'}: "
+        f"rollout.engine=diffusers, trainer.n_workers={cfg.trainer.n_workers}"
+        f"{', model.lora=null (full fine-tuning)' if cfg.model.lora is None else ''})"
+    )
+    own_copy = "or rollout.share_actor=false for an engine with a transformer of its own"
+    require(
+        not rollout.layered_summon,
+        f"rollout.layered_summon=true with {shared}: the engine samples with the actor's own transformer and is "
+        f"never synced, so nothing is summoned layer by layer; set rollout.layered_summon=false, {own_copy}",
+    )
+    require(
+        rollout.load_base,
+        f"rollout.load_base=false with {shared}: the engine loads no transformer of its own, so there is no base "
+        f"to leave out; drop rollout.load_base=false, {own_copy}",
+    )
+
+
 def check_full_finetuning_sync(cfg: TrainConfig) -> None:
     """Full fine-tuning (`model.lora=null`) sends the whole transformer at every sync; the
     layered walk syncs only a LoRA onto a base already in the engine."""
     rollout = cfg.rollout
-    if cfg.model.lora is not None or not rollout.layered_summon or (shares_actor(cfg) and rollout.load_base):
-        return  # an engine sampling with the actor is never synced
+    if cfg.model.lora is not None or not rollout.layered_summon or shares_actor(cfg):
+        return  # an engine sampling with the actor is never synced (check_shared_actor_options)
     raise ConfigError(
         "rollout.layered_summon=true with model.lora=null (full fine-tuning): the layered sync sends only a LoRA "
         "onto the base already in the engine, but with full fine-tuning every sync sends the whole new transformer "
@@ -281,23 +330,53 @@ def check_vllm_rollout(rollout, family: str) -> None:
 
     problem = engine_unavailable(rollout.options, family)
     require(problem is None, f"rollout=vllm: {problem}")
+    if rollout.options.url:
+        probe_engine(rollout.options)
+
+
+# Seconds an engine the run attaches to (rollout.options.url) has to answer /health at validation.
+ENGINE_PROBE_TIMEOUT_S = 5.0
+
+
+def probe_engine(options) -> None:
+    """The engine at rollout.options.url answers /health, within a short timeout and without
+    retries: a wrong or dead URL is named here, not after the transformer has loaded."""
+    from omni.rollout.engine_client import EngineClient
+
+    client = EngineClient(options.url, options)
+    try:
+        client.health(retry=False, timeout=ENGINE_PROBE_TIMEOUT_S)
+    except Exception as error:  # refused, timed out, dropped, or an answer that is not the engine's
+        raise ConfigError(
+            f"rollout.options.url={options.url}: no rollout engine answered GET /health within "
+            f"{ENGINE_PROBE_TIMEOUT_S:g}s ({type(error).__name__}: {str(error)[:200]}); start it "
+            "(ENV/bin/python -m omni.rollout.vllm_server --model ... --port ...) or leave rollout.options.url "
+            "unset for the run to start one"
+        ) from None
+    finally:
+        client.close()
 
 
 def check_trainer(cfg: TrainConfig) -> None:
     trainer = cfg.trainer
-    if trainer.eval_only:
-        require(trainer.steps == 0, f"trainer.eval_only=true evaluates without training: set trainer.steps=0 (not {trainer.steps})")
-    else:
-        require(
-            trainer.steps >= 1,
-            f"trainer.steps={trainer.steps}: a run trains at least 1 step; to only evaluate, set trainer.eval_only=true trainer.steps=0",
-        )
+    require(
+        trainer.eval_only or trainer.steps >= 1,
+        f"trainer.steps={trainer.steps}: a run trains at least 1 step; to only evaluate, set trainer.eval_only=true",
+    )
     require(
         trainer.ema_decay is None or 0 < trainer.ema_decay < 1,
         f"trainer.ema_decay={trainer.ema_decay} must be in (0, 1) (the weight of the previous average), or null for no EMA",
     )
     require(trainer.max_bad_steps >= 1, f"trainer.max_bad_steps={trainer.max_bad_steps} must be >= 1")
+    require(
+        trainer.keep_last_checkpoints is None or trainer.keep_last_checkpoints >= 1,
+        f"trainer.keep_last_checkpoints={trainer.keep_last_checkpoints} must be >= 1, or null to keep every checkpoint",
+    )
     require(trainer.lr > 0, f"trainer.lr={trainer.lr} must be positive")
+    require(
+        trainer.eval_only or 0 <= trainer.warmup_steps < trainer.steps,
+        f"trainer.warmup_steps={trainer.warmup_steps} must be in [0, trainer.steps={trainer.steps})",
+    )
     require(trainer.batch_size > 0, f"trainer.batch_size={trainer.batch_size} must be positive")
     require(trainer.micro_batch_size > 0, f"trainer.micro_batch_size={trainer.micro_batch_size} must be positive")
     require(trainer.max_grad_norm >= 0, f"trainer.max_grad_norm={trainer.max_grad_norm} must be >= 0")
@@ -311,7 +390,7 @@ def check_trainer(cfg: TrainConfig) -> None:
         require(Path(trainer.resume).is_dir(), f"trainer.resume={trainer.resume}: no such checkpoint directory")
         try:
             check_checkpoint(Path(trainer.resume), cfg.model)
-        except DamagedCheckpoint as error:
+        except (DamagedCheckpoint, CheckpointMismatch) as error:
             raise ConfigError(f"trainer.resume={trainer.resume}: {error}") from None
     check_workers(cfg)
 
@@ -345,7 +424,12 @@ def check_workers(cfg: TrainConfig) -> None:
 
 
 def check_logger(logger, family: ModelFamily) -> None:
-    """Cadences; a video model's logged clips are mp4 files, whose encoder must be installed."""
+    """Cadences; each chosen backend is installed; a video model's logged clips are mp4
+    files, whose encoder must be installed."""
+    from omni.loggers import missing_backends
+
+    missing = missing_backends([backend.value for backend in logger.backends])
+    require(not missing, "; ".join(f"logger.backends has {name}, which is not installed: {fix}" for name, fix in missing.items()))
     require(logger.console_every >= 1, f"logger.console_every={logger.console_every} must be >= 1")
     require(logger.image_every >= 0, f"logger.image_every={logger.image_every} must be >= 0")
     if family.video and logger.image_every:
@@ -366,9 +450,20 @@ def check_rewards(reward) -> None:
             REWARDS.get(name).check_options(reward.components[name], f"reward.components.{name}")
         except (KeyError, ValueError) as error:
             raise ConfigError(error.args[0]) from None
+    for name, options in reward.components.items():
+        require(
+            math.isfinite(options.weight),
+            f"reward.components.{name}.weight={options.weight}: a weight must be a finite number",
+        )
+    weights = {f"reward.components.{n}.weight": o.weight for n, o in reward.components.items()}
     require(
-        any(options.weight != 0 for options in reward.components.values()),
-        f"reward.components: every weight is 0 ({ {n: o.weight for n, o in reward.components.items()} }), so the reward is 0",
+        any(weight != 0 for weight in weights.values()),
+        f"reward.components: every weight is 0 ({', '.join(f'{k}={w}' for k, w in weights.items())}), so the reward is 0",
+    )
+    require(
+        abs(sum(weights.values())) > 1e-9 * max(abs(w) for w in weights.values()),
+        f"reward.components: the weights sum to 0 ({' + '.join(f'{k}={w}' for k, w in weights.items())}); "
+        "give weights with a nonzero total (e.g. summing to 1)",
     )
 
 
@@ -408,13 +503,50 @@ def check_prompts(data, reward) -> None:
 
 
 def to_schema(cfg: DictConfig | TrainConfig) -> TrainConfig:
-    """The schema objects of a composed config (a copy: the caller's config is untouched)."""
+    """The schema objects of a composed config (a copy: the caller's config is untouched).
+    Refuses first a mandatory value left unset and a key no schema has (one appended with
+    `+key=value` gets past Hydra's own check), naming each."""
     if isinstance(cfg, TrainConfig):
         return copy.deepcopy(cfg)
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    require(not missing, "; ".join(f"{key} is mandatory and not set: {field_hint(cfg, key) or f'pass {key}=...'}" for key in missing))
+    unknown = unknown_keys(cfg)
+    require(
+        not unknown,
+        "; ".join(f"{key}: no such key (the schema of {parent or 'the run'} has {', '.join(known)})" for key, parent, known in unknown)
+        + "; a key appended with +key=value must still be one the schema has",
+    )
     try:
         return OmegaConf.to_object(cfg)
-    except Exception as error:  # a missing mandatory value or a failing interpolation, named by OmegaConf
+    except Exception as error:  # a failing interpolation, named by OmegaConf
         raise ConfigError(str(error)) from None
+
+
+def field_hint(cfg: DictConfig, key: str) -> str | None:
+    """What to pass for a mandatory `key`: the `hint` metadata of its field in the schema
+    dataclass of its parent node (a group's, or a reward's options), if any."""
+    parent, _, name = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent, throw_on_missing=False) if parent else cfg
+    schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+    if not dataclasses.is_dataclass(schema):
+        return None
+    field = {f.name: f for f in dataclasses.fields(schema)}.get(name)
+    return None if field is None else field.metadata.get("hint")
+
+
+def unknown_keys(node: DictConfig, prefix: str = "") -> list:
+    """(key, its parent, the parent's schema keys) for each key of the composed config that
+    its schema dataclass lacks; an untyped mapping (reward.components) is typed at validation."""
+    schema = OmegaConf.get_type(node)
+    known = sorted(f.name for f in dataclasses.fields(schema)) if dataclasses.is_dataclass(schema) else None
+    found = []
+    for key in node.keys():
+        child = node._get_node(key)
+        if known is not None and key not in known:
+            found.append((f"{prefix}{key}", prefix.rstrip("."), known))
+        elif isinstance(child, DictConfig) and not (child._is_none() or child._is_missing() or child._is_interpolation()):
+            found += unknown_keys(child, f"{prefix}{key}.")
+    return found
 
 
 def resolve(cfg: TrainConfig, family: ModelFamily) -> None:

@@ -22,6 +22,8 @@ differs from the run's is refused with a message naming each difference.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -98,6 +100,22 @@ def cache_key(cfg, source, family, model_dir: Path) -> dict:
     }
 
 
+AUTO = "auto"
+
+
+def cache_directory(setting: Optional[str], key: dict, cache_dir, inversion_steps: int) -> Optional[Path]:
+    """Where the run's latent cache lives (`data.latent_cache`): a directory the user named;
+    for "auto", when the images are encoded by inverting the decoder (`inversion_steps`
+    passes a pair, the tiny models), a directory under `cache_dir` named by the key, so runs
+    on the same model and data share it; otherwise None (pairs encoded as training reaches them)."""
+    if not setting or (setting == AUTO and not inversion_steps):
+        return None
+    if setting != AUTO:
+        return Path(setting).expanduser()
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cache_dir).expanduser() / "latents" / f"{key['family']}-{digest}"
+
+
 KEY_NAMES = {
     "version": "cache format version",
     "family": "model.family",
@@ -163,6 +181,20 @@ def is_complete(directory) -> bool:
     return (Path(directory).expanduser() / "manifest.json").is_file()
 
 
+@contextlib.contextmanager
+def build_lock(directory: Path):
+    """Held while a cache is checked and built: two runs that want the same cache (the
+    default one under model.cache_dir) build it once, the second reading what the first built.
+    An advisory flock, released by the kernel however the holder ends."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f".{directory.name}.lock", "a+") as stream:
+        fcntl.flock(stream, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(stream, fcntl.LOCK_UN)
+
+
 def _as_list(items):
     return items
 
@@ -217,7 +249,11 @@ def build_cache(directory, key: dict, source, rows: np.ndarray, stats: dict, enc
     directory.mkdir(parents=True, exist_ok=True)
     building = directory / "building.json"
     if building.is_file():
-        check_key(directory, json.loads(building.read_text())["key"], key)
+        try:
+            made = json.loads(building.read_text())["key"]
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
+            raise damaged(directory, building, f"is not readable ({type(error).__name__}: {error})") from None
+        check_key(directory, made, key)
     write_text(building, json.dumps({"key": key}))
     shards = _existing_shards(directory)
     start = shards[-1][1] if shards else 0
@@ -242,7 +278,8 @@ def build_cache(directory, key: dict, source, rows: np.ndarray, stats: dict, enc
             parts, shard_start, held = {}, stop, 0
     if not dtypes:  # every shard was already there: read the dtypes back
         dtypes = _shard_dtypes(directory / shards[0][2])
-    stats["skipped_bad"] += sum(int((~np.load(directory / name / "valid.npy")).sum()) for _, _, name in shards)
+    valid = [_load_array(directory, directory / name / "valid.npy", end - begin) for begin, end, name in shards]
+    stats["skipped_bad"] += sum(int((~np.asarray(v)).sum()) for v in valid)
     _save_npy(directory / "rows.npy", np.asarray(rows, dtype=np.int64))
     manifest = {"key": key, "count": len(rows), "shards": [list(s) for s in shards], "dtypes": dtypes,
                 "stats": stats, "first_bad": first_bad}
@@ -252,25 +289,74 @@ def build_cache(directory, key: dict, source, rows: np.ndarray, stats: dict, enc
 
 
 def _shard_dtypes(shard: Path) -> Dict[str, str]:
-    return json.loads((shard / "dtypes.json").read_text())
+    try:
+        return json.loads((shard / "dtypes.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise damaged(shard.parent, shard / "dtypes.json", f"is not readable ({type(error).__name__}: {error})") from None
 
 
 # ----------------------------------------------------------------------------- reading
 
 
+class CacheDamaged(ValueError):
+    """A file of a complete cache is missing, truncated or unreadable."""
+
+
+def rebuild_hint(directory: Path) -> str:
+    return (
+        f"rebuild the cache: remove {directory} and run again (a run builds a missing cache before training), "
+        "or build it ahead with python scripts/cache_latents.py and the run's overrides"
+    )
+
+
+def damaged(directory: Path, path: Path, what: str) -> CacheDamaged:
+    return CacheDamaged(f"data.latent_cache={directory}: {path} {what}; {rebuild_hint(directory)}")
+
+
+def _read_manifest(directory: Path) -> dict:
+    path = directory / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise damaged(directory, path, f"is not a readable manifest ({type(error).__name__}: {error})") from None
+    missing = [k for k in ("key", "count", "shards", "dtypes", "stats") if not isinstance(manifest, dict) or k not in manifest]
+    if missing:
+        raise damaged(directory, path, f"lacks {missing}")
+    return manifest
+
+
+def _load_array(directory: Path, path: Path, rows: Optional[int]) -> np.ndarray:
+    """The array of `path`, memory-mapped, checked to hold `rows` entries (None: any)."""
+    try:
+        array = np.load(path, mmap_mode="r")
+    except FileNotFoundError:
+        raise damaged(directory, path, "is missing") from None
+    except (OSError, ValueError, EOFError) as error:  # numpy's truncated header or data
+        raise damaged(directory, path, f"is truncated or not a .npy array ({error})") from None
+    if rows is not None and len(array) != rows:
+        raise damaged(directory, path, f"holds {len(array)} entries, the manifest says {rows}")
+    return array
+
+
+def _load_shard(directory: Path, start: int, end: int, name: str, fields) -> Dict[str, np.ndarray]:
+    shard = directory / name
+    if not shard.is_dir():
+        raise damaged(directory, shard, f"(the shard of entries {start}-{end} in manifest.json) is missing")
+    return {field: _load_array(directory, shard / f"{field}.npy", end - start) for field in fields}
+
+
 class LatentCache:
-    """A complete cache, memory-mapped: `read(positions)` gathers entries from its shards."""
+    """A complete cache, memory-mapped: `read(positions)` gathers entries from its shards.
+    Every file the manifest names is opened and its length checked here, so a missing or
+    truncated one is named before any model loads."""
 
     def __init__(self, directory: Path, manifest: dict, conditioning: type):
         self.directory, self.manifest, self.conditioning = directory, manifest, conditioning
-        self.rows = np.load(directory / "rows.npy")
+        self.rows = _load_array(directory, directory / "rows.npy", int(manifest["count"]))
         self.stats = manifest["stats"]
         self.starts = np.asarray([s[0] for s in manifest["shards"]], dtype=np.int64)
-        self.arrays = [
-            {p.stem: np.load(p, mmap_mode="r") for p in (directory / name).glob("*.npy")}
-            for _, _, name in manifest["shards"]
-        ]
-
+        fields = [*manifest["dtypes"], "valid"]
+        self.arrays = [_load_shard(directory, start, end, name, fields) for start, end, name in manifest["shards"]]
     def __len__(self) -> int:
         return int(self.manifest["count"])
 
@@ -295,7 +381,7 @@ class LatentCache:
 def open_cache(directory, key: dict, conditioning: type, skip_bad_rows: bool) -> LatentCache:
     """The complete cache at `directory`, after checking it was made for this run's key."""
     directory = Path(directory).expanduser()
-    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest = _read_manifest(directory)
     check_key(directory, manifest["key"], key)
     if manifest["stats"].get("skipped_bad") and not skip_bad_rows:
         raise ValueError(

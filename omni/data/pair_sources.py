@@ -11,7 +11,7 @@ it keeps per row at most its offset and line number (JSONL), and it reopens its 
 each process that uses it (a DataLoader's workers), so it can be pickled.
 
 `scan(source, key, skip_bad_rows)` reads every row once, in order and a few at a time, and
-checks it (`omni.data.preferences.check_row`: columns, prompt, label, and each image's header),
+checks it (`omni.data.preferences.check_row`: columns, prompt, label, and that each image is whole),
 returning the numbers of the good rows and the counts. A bad row is an error naming its file
 and row, or with `skip_bad_rows` is skipped, counted and logged. `load_preference_pairs`
 reads a whole (small) set, decoded, into memory, for tests and tools.
@@ -211,6 +211,8 @@ class SavedDatasetSource(PairSource):
                 dataset = datasets.load_from_disk(str(self.path))
             except FileNotFoundError as error:
                 raise ValueError(f"{self.path} is a directory but not a dataset saved with save_to_disk: {error}") from error
+            except Exception as error:  # pyarrow's OSError / ArrowInvalid for a cut or damaged file
+                raise ValueError(self._damaged(error)) from None
             if isinstance(dataset, datasets.DatasetDict):
                 if "train" not in dataset and len(dataset) != 1:
                     raise ValueError(f"{self.path} holds splits {list(dataset)}; save one split or name it 'train'")
@@ -220,6 +222,21 @@ class SavedDatasetSource(PairSource):
                     dataset = dataset.cast_column(name, datasets.Image(decode=False))
             self._open_dataset = dataset
         return self._open_dataset
+
+    def _damaged(self, error: Exception) -> str:
+        """Which Arrow file of the directory does not read, and what to do."""
+        import pyarrow as pa
+
+        for path in sorted(self.path.rglob("*.arrow")):
+            try:
+                with pa.memory_map(str(path)) as source:
+                    pa.ipc.open_stream(source).read_all()
+            except Exception as bad:
+                return (
+                    f"{path}: truncated or not an Arrow file ({bad}); write the saved dataset {self.path} "
+                    "again with save_to_disk (or copy it whole)"
+                )
+        return f"the saved dataset {self.path} does not load ({type(error).__name__}: {error}); write it again with save_to_disk"
 
     def __len__(self) -> int:
         return self.n_rows

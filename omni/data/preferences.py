@@ -11,8 +11,9 @@ or absolute, raw bytes, or {"bytes": ..., "path": ...} structs), or Pick-a-Pic's
 tie, skipped and counted). Files are read lazily by `omni.data.pair_sources` (JSONL, parquet
 shards, a `datasets` directory).
 
-`check_row` finds a bad row (missing column, missing or unreadable image, empty prompt, label
-outside {0, 0.5, 1}) without decoding its images: it reads each image's header only.
+`check_row` finds a bad row (missing column, missing, unreadable or truncated image, empty
+prompt, label outside {0, 0.5, 1}) without decoding PNG and JPEG images: it reads a PNG's
+chunks with their CRCs and a JPEG's header and end marker (other formats are decoded).
 `decode_row` decodes both images as RGB PIL images, and `images_to_tensor` makes a batch of
 them for the VAE.
 """
@@ -73,15 +74,43 @@ def _image_source(value, base_dir: Path, column: str):
 
 def _open_image(value, base_dir: Path, column: str, decode: bool = True) -> Optional[Image.Image]:
     """A path (relative to `base_dir` or absolute), raw bytes, a {"bytes", "path"} dict or a PIL
-    image -> a decoded RGB PIL image; without `decode`, only its header is read (None)."""
+    image -> a decoded RGB PIL image; without `decode`, it is only checked to be whole (None)."""
     source, name = _image_source(value, base_dir, column)
     if isinstance(source, Image.Image):
         return source.convert("RGB") if decode else None
     try:
         with Image.open(source) as image:
-            return image.convert("RGB") if decode else None
+            if decode:
+                return image.convert("RGB")
+            _check_whole(image, source)
+            return None
+    except BadRow:
+        raise
     except Exception as error:  # PIL raises several types for corrupt or truncated data
         raise BadRow(f"cannot read image {name}: {error}") from error
+
+
+def _check_whole(image: Image.Image, source) -> None:
+    """Find a truncated image without decoding it where that is cheap: a PNG's chunks are
+    read through to IEND with their CRCs (`verify`), a JPEG must end with its end-of-image
+    marker; any other format is decoded. Raises for an incomplete image."""
+    if image.format == "PNG":
+        try:
+            image.verify()
+        except Exception as error:  # PIL's SyntaxError / OSError / struct.error for a cut or damaged chunk
+            raise OSError(f"truncated or corrupt PNG ({error})") from None
+    elif image.format == "JPEG":
+        stream = source if isinstance(source, io.BytesIO) else None
+        if stream is None:
+            with open(source, "rb") as file:
+                file.seek(max(0, os.path.getsize(source) - 64))
+                tail = file.read()
+        else:
+            tail = stream.getbuffer()[-64:].tobytes()
+        if not tail.rstrip(b"\x00\r\n ").endswith(b"\xff\xd9"):
+            raise OSError("truncated JPEG: no end-of-image marker")
+    else:
+        image.load()
 
 
 def _open_clip(value, base_dir: Path, column: str, num_frames: int, decode: bool = True) -> Optional[np.ndarray]:
@@ -151,7 +180,7 @@ def _columns(row) -> Tuple[str, str, str]:
 
 
 def check_row(row, base_dir: Path, num_frames: Optional[int] = None) -> None:
-    """Raise BadRow or TiedRow for a row that cannot become a pair, reading image headers only
+    """Raise BadRow or TiedRow for a row that cannot become a pair; images are checked whole (PNG, JPEG: not decoded)
     (clips: their frame counts, see `omni.videos.count_frames`)."""
     prompt, chosen, rejected = _columns(row)
     _prompt(row[prompt], prompt)

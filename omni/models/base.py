@@ -53,6 +53,15 @@ class Conditioning:
         return cls(*(tensors.get(n) for n in cls.field_names()))
 
 
+def dtype_argument(dtype) -> dict:
+    """diffusers' `from_pretrained` keyword for `dtype` (a dtype, or one per component with a
+    "default"): `dtype` where the installed diffusers has it, `torch_dtype` (which it then
+    deprecates) in the releases before."""
+    from diffusers.utils import deprecation_utils
+
+    return {"dtype": dtype} if hasattr(deprecation_utils, "_resolve_dtype") else {"torch_dtype": dtype}
+
+
 def vae_decode_differentiable(vae, latents: torch.Tensor) -> torch.Tensor:
     """Latents in the transformer's scale (unpacked) -> images (B, 3, H, W) in [0, 1], fp32."""
     latents = latents / vae.config.scaling_factor + vae.config.shift_factor
@@ -222,7 +231,7 @@ class ModelFamily:
         onto it (no whole copy in host memory first, which 8 workers of a node would each hold)."""
         cls = self._diffusers(self.transformer_class)
         placement = {} if device is None else {"device_map": {"": str(device)}}
-        return cls.from_pretrained(str(path), subfolder="transformer", torch_dtype=dtype, local_files_only=True, **placement)
+        return cls.from_pretrained(str(path), subfolder="transformer", local_files_only=True, **dtype_argument(dtype), **placement)
 
     def load_pipeline(self, path: str | os.PathLike, dtype: torch.dtype, load_base: bool = True, without_transformer: bool = False):
         """The whole pipeline in `dtype`, but its VAE in fp32 (as the reference recipes keep
@@ -236,9 +245,8 @@ class ModelFamily:
             cls = self._diffusers(self.transformer_class)
             components["transformer"] = cls.from_config(self.transformer_config(path)).to(dtype)
         cls = self._diffusers(self.pipeline_class)
-        pipe = cls.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True, **components)
-        pipe.vae.to(torch.float32)
-        return pipe
+        # the VAE is loaded in fp32, not cast after loading (which diffusers warns against)
+        return cls.from_pretrained(str(path), local_files_only=True, **dtype_argument({"default": dtype, "vae": torch.float32}), **components)
 
     # ----------------------------------------------------------------- sampling
     def encode_prompts(self, pipe, prompts: List[str], guidance_scale: float, max_sequence_length: int, device) -> Conditioning:

@@ -1,6 +1,7 @@
 """Rewards: one component per module (`omni/rewards/<name>.py` defines `REWARD`, see
 `omni.rewards.base`), combined by `WeightedReward` into a weighted sum whose components are
-each reported (`reward/<name>`, and a component's details as `reward/<name>/<detail>`)."""
+each reported under what they measure (`reward/<metric>`: `Reward.metric`, and a component's
+details as `reward/<metric>/<detail>`)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ class WeightedReward:
         for name, raw in components.items():
             options = reward_options(name, raw)
             self.rewards[name] = REWARDS.get(name)(name, options)
+        metrics = [reward.metric for reward in self.rewards.values()]
+        if len(set(metrics)) < len(metrics) or "reward" in metrics:
+            raise ValueError(f"reward.components {list(self.rewards)} would be logged under the same name: {metrics}")
         self.batch_size = batch_size
         self.nonfinite = nonfinite
 
@@ -53,22 +57,22 @@ class WeightedReward:
             reward.teardown()
 
     def _score(self, reward: Reward, images: torch.Tensor, prompts: List[str]) -> Dict[str, torch.Tensor]:
-        """The reward's scores under its name and its details under <name>/<detail>."""
+        """The reward's scores under its metric name and its details under <metric>/<detail>."""
         size = reward.options.batch_size or self.batch_size
         parts = []
         for s in range(0, len(prompts), size):
             scores, details = reward.score_details(images[s : s + size].float().cpu(), prompts[s : s + size])
-            parts.append({reward.name: scores.float(), **{f"{reward.name}/{k}": v.float() for k, v in details.items()}})
+            parts.append({reward.metric: scores.float(), **{f"{reward.metric}/{k}": v.float() for k, v in details.items()}})
         return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
 
     def component_scores(self, images: torch.Tensor, prompts: List[str]) -> Dict[str, torch.Tensor]:
-        """Each component's scores (and details), from calls of at most its batch size."""
+        """Each component's scores by its metric name (and its details), from calls of at most its batch size."""
         return {key: values for reward in self.rewards.values() for key, values in self._score(reward, images, prompts).items()}
 
     def combine(self, parts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """The `component_scores` of consecutive parts as one, with their weighted sum as "reward"."""
         scores = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
-        scores["reward"] = sum(reward.options.weight * scores[name] for name, reward in self.rewards.items())
+        scores["reward"] = sum(reward.options.weight * scores[reward.metric] for reward in self.rewards.values())
         return scores
 
     def finite(self, scores: Dict[str, torch.Tensor], where: str) -> torch.Tensor:
@@ -76,8 +80,8 @@ class WeightedReward:
         an error naming the components, `where` and how many images."""
         valid = torch.isfinite(scores["reward"])
         if self.nonfinite == "fail" and not valid.all():
-            bad = {name: int((~torch.isfinite(scores[name])).sum()) for name in self.rewards}
-            named = ", ".join(f"'{n}' on {k} of {len(valid)} images" for n, k in bad.items() if k)
+            bad = {name: int((~torch.isfinite(scores[reward.metric])).sum()) for name, reward in self.rewards.items()}
+            named = ", ".join(f"'{n}'{self.rewards[n].source()} on {k} of {len(valid)} images" for n, k in bad.items() if k)
             raise NonFiniteReward(
                 f"non-finite reward during {where}: {named or f'the weighted sum on {int((~valid).sum())} images'}; "
                 f"reward.nonfinite=drop leaves such images out instead"

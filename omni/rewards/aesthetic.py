@@ -20,6 +20,7 @@ from omegaconf import MISSING
 from torch import nn
 
 from omni.rewards.clip_base import DTYPES, ClipOptions, ClipReward
+from omni.rewards.weights_files import check_weights_file, load_error
 
 
 @dataclass
@@ -42,15 +43,19 @@ class AestheticHead(nn.Module):
         return self.layers(embeddings)
 
 
-def load_head(path: str, embedding_size: int) -> AestheticHead:
-    """The head with the weights of `path`; a file that does not fit names the file and the mismatch."""
+def load_head(path: str, embedding_size: int, name: str = "aesthetic") -> AestheticHead:
+    """The head with the weights of `path`; a file that does not read or fit names reward
+    `name`, the file and the problem."""
     path = Path(path).expanduser()
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
 
-        state = load_file(str(path))
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # safetensors' / torch's / pickle's errors for a damaged file
+        raise load_error(path, f"reward.components.{name}.head_path", name, error) from None
     head = AestheticHead(embedding_size)
     try:
         head.load_state_dict(state)
@@ -67,10 +72,11 @@ class Aesthetic(ClipReward):
         super().check_options(options, key)
         if not Path(options.head_path).expanduser().is_file():
             raise ValueError(f"{key}.head_path={options.head_path}: no such file (the aesthetic MLP's weights)")
+        check_weights_file(options.head_path, f"{key}.head_path", key.split(".")[-1])
 
     def setup(self) -> None:
         super().setup()
-        head = load_head(self.options.head_path, self.model.config.projection_dim)
+        head = load_head(self.options.head_path, self.model.config.projection_dim, self.name)
         self.head = head.to(self.device, DTYPES[self.options.dtype]).eval().requires_grad_(False)
 
     @torch.no_grad()

@@ -45,6 +45,12 @@ class Reward:
     def __init__(self, name: str, options: RewardOptions):
         self.name, self.options = name, options
 
+    @property
+    def metric(self) -> str:
+        """The name its scores are logged under (`reward/<metric>`, `eval/<metric>`): what it
+        measures, which for most rewards is its own name."""
+        return self.name
+
     @classmethod
     def check_options(cls, options: RewardOptions, key: str) -> None:
         """Raise ValueError naming `key.<option>` for options that cannot work (a missing file)."""
@@ -66,3 +72,7 @@ class Reward:
     def score_details(self, images: torch.Tensor, prompts: List[str]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """`score`, and other per-image measures by name (logged, not rewarded)."""
         return self.score(images, prompts), {}
+
+    def source(self) -> str:
+        """Where the scores come from, for messages about them ("" in process; a server's URL)."""
+        return ""

@@ -19,6 +19,7 @@ from omegaconf import MISSING
 
 from omni.rewards.base import Reward, RewardOptions
 from omni.rewards.protocol import to_uint8
+from omni.rewards.weights_files import check_weights_dir, load_error
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,6 +42,7 @@ def check_model_dir(path: Optional[str], key: str) -> None:
     directory = Path(path).expanduser()
     if not (directory / "config.json").is_file():
         raise ValueError(f"{key}={path}: not a model directory (no config.json there); save one with save_pretrained")
+    check_weights_dir(directory, key, key.split(".")[-2] if key.count(".") >= 2 else key)
 
 
 def pooled(features: Any) -> torch.Tensor:
@@ -64,7 +66,10 @@ class ClipReward(Reward):
         options = self.options
         self.device = torch.device(options.device)
         self.processor = AutoProcessor.from_pretrained(str(Path(options.processor_path or options.path).expanduser()))
-        model = CLIPModel.from_pretrained(str(Path(options.path).expanduser()))
+        try:
+            model = CLIPModel.from_pretrained(str(Path(options.path).expanduser()))
+        except (OSError, RuntimeError, ValueError) as error:  # a weights file damaged after validation
+            raise load_error(options.path, f"reward.components.{self.name}.path", self.name, error) from None
         self.model = model.to(self.device, DTYPES[options.dtype]).eval().requires_grad_(False)
 
     def teardown(self) -> None:

@@ -3,7 +3,8 @@
 `reward.components.frame_average.image` names any image reward (a module of omni/rewards/)
 and `image_options` holds its options, typed and checked as that reward's own at
 validation; the clip's score is the mean of its frames' scores, each frame scored with the
-clip's prompt.
+clip's prompt. Its scores are logged as `frame_<image>` (`reward=frame_brightness` logs
+`reward/frame_brightness`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class FrameAverage(Reward):
         super().__init__(name, options)
         cls, inner = image_reward(options, f"reward.components.{name}")
         self.inner = cls(options.image, inner)
+
+    @property
+    def metric(self) -> str:
+        return f"frame_{self.options.image}"
 
     @classmethod
     def check_options(cls, options: FrameAverageOptions, key: str) -> None:

@@ -31,6 +31,7 @@ from PIL import Image
 from omni.rewards.base import Reward, RewardOptions
 from omni.rewards.clip_base import DTYPES
 from omni.rewards.protocol import to_uint8
+from omni.rewards.weights_files import check_weights_file
 
 INSTALL = (
     "pip install -e '.[hpsv2]' (open_clip_torch; it needs a torchvision built for this torch), "
@@ -67,13 +68,13 @@ def model_name(open_clip, architecture: str) -> str:
     return path.stem
 
 
-def load_state(path: str) -> dict:
+def load_state(path: str, name: str = "hpsv2") -> dict:
     """The model's state dict from a released HPS checkpoint (`{"state_dict": ...}`, keys with
     or without DistributedDataParallel's `module.` prefix) or a bare state dict."""
     try:
         checkpoint = torch.load(Path(path).expanduser(), map_location="cpu", weights_only=True)
     except Exception as error:  # pickle, zip or weights-only errors: say which file
-        raise ValueError(f"path={path}: not an HPS checkpoint torch.load can read safely ({error})") from None
+        raise ValueError(f"reward.components.{name}.path={path}: reward '{name}' cannot read this HPS checkpoint with torch.load ({error})") from None
     state = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict):
         raise ValueError(f"path={path}: expected a state dict, or a dict with one under 'state_dict'")
@@ -91,6 +92,7 @@ class Hpsv2(Reward):
             raise ValueError(f"{key}.architecture={options.architecture}: no such open_clip model config file")
         if options.dtype not in DTYPES:
             raise ValueError(f"{key}.dtype={options.dtype}: expected one of {list(DTYPES)}")
+        check_weights_file(options.path, f"{key}.path", key.split(".")[-1])
 
     def setup(self) -> None:
         open_clip = import_open_clip()
@@ -98,7 +100,7 @@ class Hpsv2(Reward):
         name = model_name(open_clip, options.architecture)
         model, _, self.preprocess = open_clip.create_model_and_transforms(name, pretrained=None)
         try:
-            model.load_state_dict(load_state(options.path))
+            model.load_state_dict(load_state(options.path, self.name))
         except RuntimeError as error:
             raise ValueError(f"reward.components.{self.name}.path={options.path}: not an HPS checkpoint of {name}: {str(error)[:300]}") from None
         self.device = torch.device(options.device)

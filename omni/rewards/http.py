@@ -18,7 +18,7 @@ from typing import Any, List, Optional
 
 from omni.rewards.base import Reward
 from omni.rewards.protocol import parse_scores, score_request
-from omni.rewards.retrying import RemoteOptions, RetryingClient, check_remote_options
+from omni.rewards.retrying import RemoteOptions, RetryingClient, check_remote_options, served_by
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,9 @@ class HttpReward(Reward):
     def prompt_problem(cls, options: HttpOptions, prompt: Any) -> Optional[str]:
         missing = [k for k in options.required_metadata if k not in getattr(prompt, "metadata", {})]
         return f"metadata {missing} (reward.components.http.required_metadata; a JSONL prompt file has them)" if missing else None
+
+    def source(self) -> str:
+        return served_by(self.options)
 
     def setup(self) -> None:
         self.client = RetryingClient(self.name, self.options, f"reward.components.{self.name}")

@@ -35,6 +35,11 @@ class RemoteOptions(RewardOptions):
     max_backoff_s: float = 30.0
 
 
+def served_by(options: RemoteOptions) -> str:
+    """How a message names a remote reward's scores (`Reward.source`)."""
+    return f" (served by {options.url.rstrip('/')})"
+
+
 def check_remote_options(options: RemoteOptions, key: str) -> None:
     if not options.url.startswith(("http://", "https://")):
         raise ValueError(f"{key}.url={options.url}: expected http://host:port or https://...")

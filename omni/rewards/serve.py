@@ -13,7 +13,6 @@ one at a time (a reward model is not assumed thread-safe). Needs the `reward-htt
 # run time, and `fastapi` is imported lazily (an extra), so string annotations would not resolve.
 import argparse
 import logging
-from pathlib import Path
 from typing import List, Optional, Sequence
 
 from omni.rewards import REWARDS, WeightedReward, reward_options
@@ -21,15 +20,24 @@ from omni.rewards.protocol import parse_score_request, scores_answer
 from omni.serving import OneAtATime, import_server
 
 logger = logging.getLogger("omni.rewards.serve")
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def build_app(reward: WeightedReward):
-    """The ASGI app serving `reward` (set up by the caller): GET /health, POST /score."""
+    """The ASGI app serving `reward` (set up by the caller): GET /health, POST /score; the
+    bodies are `omni.rewards.schemas`' models, which /docs shows."""
     fastapi, _ = import_server("the reward server")
-    app = fastapi.FastAPI(title="omni-recipes reward server")
+    from fastapi.exceptions import RequestValidationError
+
+    from omni.rewards.schemas import Health, Problem, ScoreRequest, ScoreResponse
+
+    app = fastapi.FastAPI(title="omni-recipes reward server", description=__doc__)
     one_at_a_time = OneAtATime("reward")
     names = list(reward.rewards)
+
+    @app.exception_handler(RequestValidationError)
+    async def refused(request, error):  # 400 with what is wrong, as the protocol says (not FastAPI's 422)
+        where = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in error.errors())
+        return fastapi.responses.JSONResponse({"detail": f"bad request body ({where})"}, status_code=400)
 
     def score(body) -> bytes:
         try:
@@ -47,17 +55,14 @@ def build_app(reward: WeightedReward):
             logger.exception("scoring %d images failed", len(prompts))
             raise fastapi.HTTPException(status_code=500, detail=f"{type(error).__name__}: {error}") from None
 
-    @app.get("/health")
+    @app.get("/health", response_model=Health)
     def health():
-        return {"ok": True, "reward": names}
+        return Health(ok=True, reward=names)
 
-    @app.post("/score")
-    async def score_route(request: fastapi.Request):
-        try:
-            body = await request.json()
-        except ValueError:
-            raise fastapi.HTTPException(status_code=400, detail="the body is not JSON") from None
-        answer = await one_at_a_time(score, body)
+    @app.post("/score", response_model=ScoreResponse, responses={400: {"model": Problem}, 500: {"model": Problem}})
+    async def score_route(body: ScoreRequest):
+        answer = await one_at_a_time(score, body.model_dump())
+        # written by scores_answer, not by the model: NaN must stay NaN (pydantic writes null)
         return fastapi.Response(content=answer, media_type="application/json")
 
     return app
@@ -68,10 +73,8 @@ def reward_from_overrides(overrides: Sequence[str]) -> WeightedReward:
     options fail here, naming them, before any reward model loads."""
     from hydra import compose, initialize_config_dir
 
-    from omni.config import register_configs
+    from omni.config import CONF_DIR, register_configs
 
-    if not CONF_DIR.is_dir():
-        raise FileNotFoundError(f"{CONF_DIR}: the reward server composes the repository's conf/ groups; install omni-recipes editable from a checkout")
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=list(overrides))

@@ -28,7 +28,7 @@ from omegaconf import MISSING
 
 from omni.rewards.base import Reward
 from omni.rewards.protocol import encode_image
-from omni.rewards.retrying import RemoteOptions, RetryingClient, check_remote_options
+from omni.rewards.retrying import RemoteOptions, RetryingClient, check_remote_options, served_by
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,9 @@ class VlmJudge(Reward):
             raise ValueError(f"{key}: scale must not be 0, concurrency and max_tokens must be >= 1")
         if options.api_key_env and not os.environ.get(options.api_key_env):
             raise ValueError(f"{key}.api_key_env={options.api_key_env}: that environment variable is not set")
+
+    def source(self) -> str:
+        return served_by(self.options)
 
     def setup(self) -> None:
         options, key = self.options, f"reward.components.{self.name}"

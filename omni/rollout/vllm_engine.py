@@ -32,7 +32,7 @@ from omni.config.model import LoraConfig
 from omni.config.rollout import VllmOptions
 from omni.models.base import Conditioning, ModelFamily
 from omni.rollout.base import RolloutBatch, SamplingOptions
-from omni.rollout.engine_client import EngineClient, retry_policy
+from omni.rollout.engine_client import EngineClient, EngineUnreachable, retry_policy
 from omni.rollout.transport import pack, write_base_weights, write_lora_adapter
 from omni.rollout.vllm_protocol import batch_from_tensors
 
@@ -149,6 +149,23 @@ class VllmEngine:
         self._last_sync: Optional[Path] = None
         self.has_base = bool(self.client.health()["has_base"])
 
+    def _post(self, route: str, body: bytes):
+        """`client.post`; when the engine process we started has died, the error says so
+        (its exit code or signal, and its log) rather than only that nothing answered."""
+        try:
+            return self.client.post(route, body)
+        except EngineUnreachable as error:
+            if self.process is None:
+                raise
+            try:  # a killed process drops its connections a moment before it can be reaped
+                code = self.process.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                raise error from None
+            how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            raise EngineUnreachable(
+                f"the rollout engine process (pid {self.process.pid}) is gone: {how}; its log: {self.shared_dir / 'engine.log'} ({error})"
+            ) from None
+
     # ----------------------------------------------------------------- start / attach
     @classmethod
     def start(
@@ -173,16 +190,16 @@ class VllmEngine:
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         meta = {"prompts": list(prompts), "seeds": [int(s) for s in seeds], "options": dataclasses.asdict(options)}
-        tensors, _ = self.client.post("generate", pack(meta=meta))
+        tensors, _ = self._post("generate", pack(meta=meta))
         return batch_from_tensors(prompts, tensors, options, self.conditioning)
 
     def encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> Conditioning:
         meta = {"prompts": list(prompts), "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length}
-        tensors, _ = self.client.post("encode_prompts", pack(meta=meta))
+        tensors, _ = self._post("encode_prompts", pack(meta=meta))
         return self.conditioning.from_tensors(tensors)
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        tensors, _ = self.client.post("encode_images", pack({"images": images}))
+        tensors, _ = self._post("encode_images", pack({"images": images}))
         return tensors["latents"]
 
     # ----------------------------------------------------------------- weights
@@ -198,7 +215,7 @@ class VllmEngine:
         else:
             path = write_base_weights(self.shared_dir, name, named_tensors)
         # a retried sync loads the same directory again: it is removed only once acknowledged
-        _, answer = self.client.post("update_weights", pack(meta={"path": str(path.resolve())}))
+        _, answer = self._post("update_weights", pack(meta={"path": str(path.resolve())}))
         self.has_base = bool(answer["has_base"])
         if self._last_sync is not None:
             shutil.rmtree(self._last_sync, ignore_errors=True)  # loaded: the engine no longer reads it

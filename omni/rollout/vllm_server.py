@@ -6,7 +6,8 @@ driver starts it (rollout=vllm) or attaches to it (rollout.options.url=http://ho
 
     ENV/bin/python -m omni.rollout.vllm_server --model /ckpt/sd3.5-medium --port 8765
 
-API (bodies are `omni.rollout.transport.pack` blobs; see `omni.rollout.vllm_engine`):
+API (bodies are `omni.rollout.transport.pack` blobs, whose JSON each route types with a model of
+`omni.rollout.engine_schemas`, shown at /docs; see `omni.rollout.vllm_engine`):
     GET  /health          {"ok", "has_base", "model", "backend"}
     POST /generate        prompts, seeds, options -> images, latents, log_probs, sigmas, embeddings
     POST /update_weights  a weight directory's path -> loaded into the pipeline's transformer
@@ -240,18 +241,21 @@ BLOB = "application/octet-stream"
 
 
 def handle(backend, route: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> bytes:
-    """One API call -> the packed answer."""
+    """One API call -> the packed answer (`meta` checked against the route's model first)."""
+    from omni.rollout.engine_schemas import REQUESTS
+
+    if route not in REQUESTS:
+        raise KeyError(f"unknown route /{route}")
+    request = REQUESTS[route].model_validate(meta)
     if route == "generate":
-        options = SamplingOptions(**{**meta["options"], "sde_steps": tuple(meta["options"]["sde_steps"])})
-        return pack(batch_to_tensors(backend.generate(meta["prompts"], meta["seeds"], options)))
+        return pack(batch_to_tensors(backend.generate(request.prompts, request.seeds, request.options)))
     if route == "update_weights":
-        return pack(meta=backend.sync_weights(meta["path"]))
+        return pack(meta=backend.sync_weights(request.path))
     if route == "encode_prompts":
-        cond = backend.encode_prompts(meta["prompts"], meta["guidance_scale"], meta["max_sequence_length"])
-        return pack(cond.tensors())
-    if route == "encode_images":
-        return pack({"latents": backend.encode_images(tensors["images"])})
-    raise KeyError(f"unknown route /{route}")
+        return pack(backend.encode_prompts(request.prompts, request.guidance_scale, request.max_sequence_length).tensors())
+    if "images" not in tensors:
+        raise ValueError("/encode_images: the body has no tensor 'images'")
+    return pack({"latents": backend.encode_images(tensors["images"])})
 
 
 def build_app(backend, info: Dict[str, Any], stop: threading.Event):
@@ -263,13 +267,17 @@ def build_app(backend, info: Dict[str, Any], stop: threading.Event):
     fastapi, _ = import_server("the rollout engine's server")
     from starlette.background import BackgroundTask
 
-    app = fastapi.FastAPI(title="omni-recipes rollout engine")
+    from pydantic import ValidationError
+
+    from omni.rollout.engine_schemas import REQUESTS, EngineHealth, openapi_extra
+
+    app = fastapi.FastAPI(title="omni-recipes rollout engine", description=__doc__)
     one_at_a_time = OneAtATime("backend")
     state = {"has_base": backend.has_base()}
 
-    @app.get("/health")
+    @app.get("/health", response_model=EngineHealth)
     async def health():
-        return {"ok": True, "has_base": state["has_base"], **info}
+        return EngineHealth(ok=True, has_base=state["has_base"], **info)
 
     @app.post("/shutdown")
     async def shutdown():
@@ -289,11 +297,15 @@ def build_app(backend, info: Dict[str, Any], stop: threading.Event):
             body = await request.body()
             try:
                 return fastapi.Response(await one_at_a_time(call, route, body), media_type=BLOB)
+            except ValidationError as error:  # the request's JSON does not fit its model: refused, named
+                fields = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors())
+                return fastapi.Response(f"/{route}: the message's JSON does not fit {error.title} ({fields})", status_code=422, media_type="text/plain")
             except Exception:  # the driver shows the engine's traceback
                 logger.exception("/%s failed", route)
                 return fastapi.Response(traceback.format_exc(), status_code=500, media_type="text/plain")
 
-        app.add_api_route(f"/{route}", endpoint, methods=["POST"], name=route)
+        endpoint.__doc__ = REQUESTS[route].__doc__
+        app.add_api_route(f"/{route}", endpoint, methods=["POST"], name=route, openapi_extra=openapi_extra(route, BLOB))
 
     for route in ROUTES:
         add_route(route)

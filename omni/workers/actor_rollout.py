@@ -264,6 +264,12 @@ class ActorRolloutWorker:
             return
         loss.backward()
 
+    def set_lr(self, lr: float) -> float:
+        """Set the optimizer's learning rate (the trainer's schedule); returns it as set."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return self.optimizer.param_groups[0]["lr"]
+
     def optimizer_step(self) -> float:
         """Clip the gradient norm and step; returns the norm before clipping. A non-finite
         norm (a NaN or inf loss or gradient) skips the step: the weights and the optimizer

@@ -68,6 +68,10 @@ class RayActorRolloutWorker(Worker):
         return self.worker.sync_weights()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def set_lr(self, lr: float) -> float:
+        return self.worker.set_lr(lr)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def lora_state_dict(self):
         lora = self.worker.lora_state_dict()
         return lora if self.rank == 0 else None
@@ -195,6 +199,9 @@ class ActorRolloutGroup:
     def sync_weights(self) -> Dict[str, float]:
         per_worker = self._gather("sync_weights", self.workers.sync_weights())
         return {"sync/seconds": max(m["sync/seconds"] for m in per_worker), "sync/megabytes": per_worker[0]["sync/megabytes"]}
+
+    def set_lr(self, lr: float) -> float:
+        return self._gather("set_lr", self.workers.set_lr(lr))[0]
 
     def lora_state_dict(self) -> Dict[str, torch.Tensor]:
         return self._gather("lora_state_dict", self.workers.lora_state_dict())[0]

@@ -148,3 +148,32 @@ def test_offline_dpo_on_video_pairs_beats_chance_on_held_out_pairs(tiny_cache, t
         trainer.cleanup()
     assert metrics["eval/implicit_accuracy"] > 0.5
     assert metrics["eval/loss"] < math.log(2)
+
+
+def test_held_out_pairs_are_capped_and_the_train_split_kept(tiny_cache, tmp_path):
+    """data.pairs_eval_max bounds what each evaluation scores (Pick-a-Pic's 20% is 200,000
+    pairs); the held-out share stays out of training and the train positions do not move."""
+    from omni.algorithms.dpo_pairs import PairData, split_digest
+    from omni.data.synthetic_pairs import write_synthetic_pairs
+
+    pairs = write_synthetic_pairs(tmp_path / "pairs", 60, resolution=8, seed=0)
+    base = [f"model.cache_dir={tiny_cache}", "algorithm=dpo", "data=pairs", f"data.pairs={pairs}", "data.latent_cache=null",
+            "data.pairs_eval_fraction=0.5"]
+    assert compose_config(base).data.pairs_eval_max == 256
+    capped = PairData(validate(compose_config([*base, "data.pairs_eval_max=8"], tmp_path)))
+    whole = PairData(validate(compose_config([*base, "data.pairs_eval_max=null"], tmp_path)))
+    assert len(whole.held_out) == 30 and len(capped.held_out) == 8
+    assert capped.held_out.tolist() == whole.held_out[:8].tolist()
+    assert split_digest(capped.train) == split_digest(whole.train) and not set(capped.train) & set(whole.held_out)
+
+
+@pytest.mark.parametrize("offline_trainer", ["sd3_tiny"], indirect=True)
+def test_long_evaluation_shows_its_progress(offline_trainer, monkeypatch, capsys):
+    """More than one chunk of held-out pairs: a progress bar (when trainer.progress_bar)."""
+    from omni.algorithms import dpo_pairs
+
+    monkeypatch.setattr(dpo, "EVAL_CHUNK", 4)
+    monkeypatch.setattr(dpo_pairs, "EVAL_CHUNK", 4)
+    offline_trainer.cfg.trainer.progress_bar = True
+    offline_trainer.algorithm.evaluate()
+    assert "eval pairs" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from hydra.errors import ConfigCompositionException
 
 from omni.config.rollout import VllmOptions
 from omni.config.validate import ConfigError, validate
+from omni.loggers import missing_backends
 from omni.models import get_family
 from omni.rollout.vllm_engine import engine_unavailable
 from tests.conftest import CONF_DIR, compose_config
@@ -42,6 +43,9 @@ def compose_and_validate(choice: dict, tiny_cache, synthetic_pairs, tmp_path):
     if choice.get("algorithm") == "dpo" or choice.get("data") == "pairs":
         overrides.append(f"data.pairs={synthetic_pairs}")
     overrides += REWARD_NEEDS.get(choice.get("reward"), [])
+    if choice.get("data") == "prompts":  # the user's own prompt files: data.train is theirs to name
+        overrides.append(f"data.train={tmp_path / 'prompts.txt'}")
+        (tmp_path / "prompts.txt").write_text("a red apple\na blue car\n")
     if choice.get("model") in VIDEO_MODELS and "reward" not in choice:
         overrides.append("reward=frame_brightness")
     if choice.get("reward") in VIDEO_REWARDS and "model" not in choice:
@@ -49,7 +53,7 @@ def compose_and_validate(choice: dict, tiny_cache, synthetic_pairs, tmp_path):
     cfg = compose_config(overrides, tmp_path)
     if choice.get("reward") in LOCAL_MODEL_REWARDS:
         # a learned reward's checkpoint is a local directory the user names: the error says which key
-        with pytest.raises(ConfigError, match=f"full_key: reward.components.{choice['reward']}.path"):
+        with pytest.raises(ConfigError, match=f"reward.components.{choice['reward']}.path is mandatory and not set: pass"):
             validate(cfg)
         return None
     if cfg.model.tiny_seed is None:
@@ -57,6 +61,11 @@ def compose_and_validate(choice: dict, tiny_cache, synthetic_pairs, tmp_path):
     if choice.get("rollout") == "vllm" and engine_unavailable(VllmOptions()):
         # no vLLM-Omni engine env on this machine: the error says how to get one
         with pytest.raises(ConfigError, match="rollout=vllm: .*scripts/install_vllm_engine.sh"):
+            validate(cfg)
+        return None
+    missing = missing_backends([backend.value for backend in cfg.logger.backends])
+    if missing:  # an optional logger not installed here: the error names its extra
+        with pytest.raises(ConfigError, match="logger.backends has .* not installed: pip install 'omni-recipes"):
             validate(cfg)
         return None
     return validate(cfg)
@@ -77,7 +86,7 @@ def test_each_option_composes_and_validates(group, option, tiny_cache, synthetic
 
 
 def model_algorithm_pairs():
-    """The pair presets under conf/model_algorithm/, as (model, algorithm) options."""
+    """The pair presets under omni/conf/model_algorithm/, as (model, algorithm) options."""
     pairs = []
     for name in options("model_algorithm"):
         model = next(m for m in options("model") if name.startswith(m + "_") and name[len(m) + 1 :] in options("algorithm"))
@@ -109,13 +118,29 @@ def test_dpo_without_pairs_says_what_to_set(tiny_cache, tmp_path):
 
 def test_every_group_has_options():
     for group in GROUPS:
-        assert options(group), f"conf/{group}/ has no options"
+        assert options(group), f"omni/conf/{group}/ has no options"
 
 
 def test_unknown_key_fails_naming_it():
     with pytest.raises(ConfigCompositionException) as info:
         compose_config(["algorithm.clip_rnge=0.1"])
     assert "clip_rnge" in str(info.value.__cause__ or info.value)
+
+
+APPENDED = [
+    ("+reward.weights.aesthetic=1.0", "reward.weights: no such key (the schema of reward has batch_size, components"),
+    ("+trainer.lr_warmup=10", "trainer.lr_warmup: no such key"),
+    ("+reward.components.brightness.wieght=2", "reward.components.brightness.wieght: no such key"),
+    ("+model.lora.dropout=0.1", "model.lora.dropout: no such key"),
+]
+
+
+@pytest.mark.parametrize("override,message", APPENDED, ids=[o for o, _ in APPENDED])
+def test_appended_unknown_key_fails_naming_it(override, message, tmp_path):
+    """`+key=value` gets past Hydra's struct check; the schema still refuses the key."""
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config([override], tmp_path))
+    assert str(info.value).startswith(message)
 
 
 def test_wrong_type_fails_naming_it():
@@ -143,6 +168,6 @@ def test_mix_grpo_flash_is_mix_grpo_with_the_dpm2_solver(tmp_path):
 def test_cfg_job_prints_the_composed_config():
     out = subprocess.run(
         [sys.executable, "recipes/train.py", "--cfg", "job", "algorithm=flow_grpo_fast", "reward=multi"],
-        cwd=Path(CONF_DIR).parent, capture_output=True, text=True, check=True,
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, check=True,
     ).stdout
     assert "sde_window_size: 2" in out and "jpeg_compressibility:" in out and "weight: 0.5" in out

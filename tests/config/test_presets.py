@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 from omni.config import register_configs
-from omni.config.validate import validate
+from omni.config.validate import ConfigError, validate
 from tests.conftest import CONF_DIR, compose_config
 
 
@@ -16,19 +16,35 @@ def options(group):
     return sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
 
 
+PUBLISHED = [name for name in options("experiment") if name.endswith("_flow_grpo")]
+
+
 @pytest.mark.parametrize("name", options("experiment"))
 def test_experiment_composes_and_validates(name, tiny_cache, tmp_path):
     from omni.models import get_family
 
     overrides = [f"experiment={name}", f"model.cache_dir={tiny_cache}"]
-    cfg = compose_config(overrides, tmp_path)
-    if OmegaConf.is_missing(cfg.data, "train"):  # a preset that asks for the user's prompts
+    if name in PUBLISHED:  # a published run's preset asks for the user's prompts (see below)
         overrides.append("data.train=omni:colors_train")
+    cfg = compose_config(overrides, tmp_path)
     if cfg.model.tiny_seed is None:
         # a preset for a real model needs a checkpoint: its family's tiny one has the same layout
         cfg = compose_config(overrides + [f"model.path={get_family(cfg.model.family).tiny_path(tiny_cache, 0)}"], tmp_path)
     resolved = validate(cfg)
     assert resolved.trainer.batch_size % resolved.trainer.n_workers == 0
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_published_preset_requires_the_users_prompts(name, tmp_path):
+    """A published run's preset leaves data.train unset (not the toy colour prompts merged
+    before it): validation refuses the run until the user names the prompts, and data=<set>
+    on the command line still chooses a shipped set."""
+    cfg = compose_config([f"experiment={name}", "model.path=/ckpt/model"], tmp_path)
+    assert OmegaConf.is_missing(cfg.data, "train") and cfg.data.eval is None
+    with pytest.raises(ConfigError, match=r"^data.train is mandatory and not set: pass data.train=/path/to/prompts.txt"):
+        validate(cfg)
+    assert compose_config([f"experiment={name}", "data=ocr"], tmp_path).data.train == "omni:ocr_train"
+    assert compose_config([f"experiment={name}", "data.train=/data/p.txt"], tmp_path).data.train == "/data/p.txt"
 
 
 def test_paper_preset_has_the_paper_settings(tiny_cache, tmp_path):

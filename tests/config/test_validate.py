@@ -22,6 +22,11 @@ BAD = [
     (["+reward.components.aesthetics={}"], "reward.components=aesthetics"),
     (["~reward.components.brightness"], "reward.components"),
     (["reward.components.brightness.weight=0"], "reward.components"),
+    # weights that cancel out, and a NaN or inf weight, found here rather than at the first evaluation
+    (["reward=multi", "reward.components.brightness.weight=1", "reward.components.jpeg_compressibility.weight=-1"],
+     "reward.components: the weights sum to 0 (reward.components.brightness.weight=1.0 + reward.components.jpeg_compressibility.weight=-1.0)"),
+    (["reward.components.brightness.weight=nan"], "reward.components.brightness.weight=nan: a weight must be a finite number"),
+    (["reward=multi", "reward.components.jpeg_compressibility.weight=-inf"], "reward.components.jpeg_compressibility.weight=-inf"),
     (["+reward.components.color={qualty: 3}"], "reward.components.color"),
     (["rollout.num_steps=1"], "rollout.num_steps"),
     (["algorithm=flow_grpo_fast", "algorithm.sde_window_size=20"], "algorithm.sde_window_size"),
@@ -42,6 +47,9 @@ BAD = [
     (["model.lora.target_modules=[to_q,to_qq]"], "model.lora.target_modules: ['to_qq']"),
     (["trainer.steps=0"], "trainer.eval_only"),
     (["trainer.max_bad_steps=0"], "trainer.max_bad_steps"),
+    (["trainer.warmup_steps=50"], "trainer.warmup_steps=50 must be in [0, trainer.steps=50)"),
+    (["trainer.keep_last_checkpoints=0"], "trainer.keep_last_checkpoints=0 must be >= 1"),
+    (["model.lora.init_from=/nonexistent/lora"], "model.lora.init_from=/nonexistent/lora: /nonexistent/lora: no such LoRA file"),
     (["trainer.resume=/nonexistent/ckpt"], "trainer.resume"),
     (["data.train=/nonexistent/prompts.txt"], "data.train"),
     (["data.eval=omni:no_such_set"], "data.eval"),
@@ -55,19 +63,29 @@ BAD = [
     (["algorithm=dpo", "data=pairs", "data.pairs=/tmp", "data.num_workers=-1"], "data.num_workers=-1"),
     (["algorithm=dpo", "data=pairs", "data.pairs=/tmp", "data.latent_cache=/etc/passwd"], "data.latent_cache=/etc/passwd"),
     # full fine-tuning: every sync sends the whole transformer, which the layered walk does not
-    (["model.lora=null", "rollout.layered_summon=true", "rollout.load_base=false"], "model.lora=null (full fine-tuning): the layered"),
+    (["model.lora=null", "rollout.layered_summon=true", "rollout.load_base=false", "rollout.share_actor=false"],
+     "model.lora=null (full fine-tuning): the layered"),
     (["model.lora=null", "rollout.layered_summon=true", "rollout.share_actor=false"], "rollout.layered_summon=true with model.lora=null"),
     (["model.lora=null", "model.dtype=bfloat16"], "model.lora=null (full fine-tuning) with model.dtype=bfloat16"),
     (["model.lora=null", "trainer.ema_decay=0.9"], "trainer.ema_decay=0.9 with model.lora=null"),
+    # a shared actor (the default with one in-process worker), LoRA or full fine-tuning: no own copy, no sync
+    (["rollout.layered_summon=true"], "rollout.layered_summon=true with a shared actor (rollout.share_actor=null"),
+    (["model.lora=null", "rollout.layered_summon=true"],
+     "rollout.layered_summon=true with a shared actor (rollout.share_actor=null, shared where possible: rollout.engine=diffusers, "
+     "trainer.n_workers=1, model.lora=null (full fine-tuning))"),
+    (["model.lora=null", "rollout.share_actor=true", "rollout.layered_summon=true"], "rollout.layered_summon=true with a shared actor"),
+    (["rollout.load_base=false"], "rollout.load_base=false with a shared actor"),
+    (["model.lora=null", "rollout.load_base=false"], "rollout.load_base=false with a shared actor"),
 ]
 
 
 # closed sets and types are checked by the schema when Hydra composes
 BAD_AT_COMPOSITION = [
     (["model.dtype=float64"], "model.dtype"),
+    (["trainer.lr_schedule=step"], "trainer.lr_schedule"),
     (["rollout.engine=sglang"], "rollout.engine"),
     (["algorithm=mix_grpo_flash", "rollout.ode_solver=rk4"], "rollout.ode_solver"),
-    (["logger.backends=[console,mlflow]"], "logger.backends"),
+    (["logger.backends=[console,neptune]"], "logger.backends"),
     (["algorithm=dpo", "algorithm.sigma_sampling=normal"], "algorithm.sigma_sampling"),
     (["rollout.options.url=http://x"], "options"),
     (["reward.components.brightness.quality=3"], "quality"),
@@ -111,9 +129,9 @@ def test_damaged_resume_directory_is_named_before_loading(tmp_path, tiny_cache):
     lora = {k: v.detach() for k, v in lora_tensors(transformer, "default").items()}
     saved = checkpoint.save_checkpoint(tmp_path, 3, lora, cfg.model.lora, {"rng": checkpoint.rng_state()}, FAMILY)
     validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.resume={saved}"]))
-    with pytest.raises(ConfigError, match="trainer.resume=.*rank \\[8\\], but model.lora.rank=4"):
+    with pytest.raises(ConfigError, match="trainer.resume=.*saved LoRA rank 8, configured 4 \\(model.lora.rank\\)"):
         validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.resume={saved}", "model.lora.rank=4"]))
-    with pytest.raises(ConfigError, match="trainer.resume=.*holds a LoRA, but model.lora=null"):
+    with pytest.raises(ConfigError, match="trainer.resume=.*saved a LoRA, configured full fine-tuning \\(model.lora=null\\)"):
         validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.resume={saved}", "model.lora=null"]))
     (saved / checkpoint.STATE_FILE).write_bytes(b"\x80")
     with pytest.raises(ConfigError, match="step_000003/trainer_state.pt: unreadable trainer state"):
@@ -157,11 +175,11 @@ def test_validated_config_is_typed(tiny_cache):
 
 
 def test_full_finetuning_validates_in_float32(tiny_cache):
-    """model.lora=null: no LoRA to check, the weights train in float32; an engine sharing the
-    actor syncs nothing, so rollout.layered_summon does not matter there."""
+    """model.lora=null: no LoRA to check, the weights train in float32 (rollout.layered_summon
+    with it and a shared actor is refused: tests BAD above)."""
     from omni.config.model import DType
 
-    cfg = validate(compose_config([f"model.cache_dir={tiny_cache}", "model.lora=null", "rollout.layered_summon=true"]))
+    cfg = validate(compose_config([f"model.cache_dir={tiny_cache}", "model.lora=null"]))
     assert cfg.model.lora is None and cfg.model.dtype is DType.float32
 
 

@@ -18,6 +18,7 @@ from omni.data.synthetic_pairs import write_synthetic_pairs
 from omni.models import get_family
 from omni.rollout.diffusers_engine import load_diffusers_engine
 from tests.conftest import compose_config
+from tests.data.damage import scramble_png_pixels, truncate
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +115,7 @@ def test_interrupted_build_continues_after_whole_shards(tiny_cache, small_pairs,
 def test_pairs_that_do_not_decode_are_left_out_or_stop_the_run(tiny_cache, engine, tmp_path):
     jsonl = write_synthetic_pairs(tmp_path / "pairs", 6, resolution=64)
     image = tmp_path / "pairs" / "images" / "pair_00002_chosen.png"
-    image.write_bytes(image.read_bytes()[:60])  # a whole header, a truncated body
+    image.write_bytes(scramble_png_pixels(image.read_bytes()))  # whole chunks, pixels that do not decode
     with pytest.raises(ValueError, match=r"pairs.jsonl, line 3: cannot read image"):
         _build(_cfg(tiny_cache, jsonl, tmp_path / "strict"), engine)
     built = _build(_cfg(tiny_cache, jsonl, tmp_path / "lenient", "data.skip_bad_rows=true"), engine)
@@ -122,3 +123,35 @@ def test_pairs_that_do_not_decode_are_left_out_or_stop_the_run(tiny_cache, engin
     assert built.cache.read(np.arange(6))[3].tolist() == [True, True, False, True, True, True]
     with pytest.raises(ValueError, match=r"line 3: cannot read image.*built skipping 1 bad row.*data.skip_bad_rows=true"):
         PairData(_cfg(tiny_cache, jsonl, tmp_path / "lenient"))
+
+
+@pytest.mark.parametrize("damage", ["manifest", "shard_file", "shard_dir", "rows"])
+def test_damaged_cache_is_named_with_how_to_rebuild(tiny_cache, small_pairs, engine, tmp_path, damage):
+    """A truncated manifest or shard, or a missing shard directory, is named with the way to
+    rebuild, when the run opens the cache (before any model loads), not a bare
+    JSONDecodeError / ValueError / KeyError at the first read."""
+    cache = tmp_path / "cache"
+    cfg = _cfg(tiny_cache, small_pairs, cache)
+    _build(cfg, engine)
+    shard = next(cache.glob("shard_*"))
+    broken = {"manifest": cache / "manifest.json", "shard_file": shard / "chosen.npy", "shard_dir": shard, "rows": cache / "rows.npy"}[damage]
+    shutil.rmtree(broken) if broken.is_dir() else truncate(broken, 0.5)
+    with pytest.raises(latent_cache.CacheDamaged) as raised:
+        PairData(cfg)
+    assert f"data.latent_cache={cache}: {broken} " in str(raised.value)
+    assert f"rebuild the cache: remove {cache} and run again" in str(raised.value)
+
+
+def test_default_cache_is_shared_under_the_model_cache_when_encoding_inverts_the_decoder(tiny_cache, small_pairs, engine):
+    """data.latent_cache=auto (the default): the tiny models' pairs (100 decoder passes an
+    image) are encoded once, into a directory under model.cache_dir named by the model and the
+    data, that a later run opens without scanning; a real VAE's encoder streams."""
+    overrides = [f"model.cache_dir={tiny_cache}", "algorithm=dpo", "data=pairs", f"data.pairs={small_pairs}"]
+    cfg = validate(compose_config(overrides))
+    assert cfg.data.latent_cache == "auto" and cfg.model.vae_inversion_steps == 100
+    first = _build(cfg, engine)
+    assert first.cache_dir.parent == tiny_cache / "latents" and latent_cache.is_complete(first.cache_dir)
+    later = PairData(cfg)
+    assert later.cache is not None and later.cache_dir == first.cache_dir
+    assert PairData(validate(compose_config([*overrides, "model.vae_inversion_steps=0"]))).cache_dir is None
+    assert PairData(validate(compose_config([*overrides, "data.latent_cache=null"]))).cache_dir is None

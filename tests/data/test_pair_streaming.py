@@ -15,6 +15,7 @@ from omni.data.pair_loader import PairImages, TrainBatches, batch_positions, pai
 from omni.data.pair_sources import JsonlSource, ParquetSource, load_preference_pairs, open_pair_source, scan
 from omni.data.prompts import items_for_step
 from omni.data.synthetic_pairs import write_synthetic_pairs
+from tests.data.damage import scramble_png_pixels, truncate
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None, reason="pyarrow is not installed")
 N = 40
@@ -104,10 +105,10 @@ def test_data_position_continues_the_in_memory_order():
 
 
 def test_image_that_fails_to_decode_is_named_or_dropped(tmp_path):
-    """A truncated PNG passes the header check of the scan and fails when decoded."""
+    """A PNG whose chunks are whole but whose pixels are not passes the scan and fails when decoded."""
     jsonl = write_synthetic_pairs(tmp_path, 6, resolution=16)
     image = tmp_path / "images" / "pair_00003_rejected.png"
-    image.write_bytes(image.read_bytes()[:60])
+    image.write_bytes(scramble_png_pixels(image.read_bytes()))
     source = open_pair_source(jsonl)
     rows = scan(source).good_rows
     assert len(rows) == 6
@@ -118,3 +119,33 @@ def test_image_that_fails_to_decode_is_named_or_dropped(tmp_path):
     batch = next(iter(pair_loader(lenient, [[0, 3, 5]], 0)))
     assert len(batch) == 2 and batch.chosen.shape == (2, 3, 16, 16)
     assert len(batch.dropped) == 1 and "line 4" in batch.dropped[0]
+
+
+@pytest.mark.parametrize("image_format", ["png", "jpeg"])
+def test_truncated_image_bytes_in_a_shard_are_found_by_the_scan(tmp_path, image_format):
+    """Bytes cut short behind a readable header are a bad row of the scan (which runs before
+    any model loads), not a decoding error of the first step that reads them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = write_synthetic_pairs(tmp_path / "good", 4, resolution=32, layout="parquet", shard_size=4, image_format=image_format)
+    table = pq.read_table(good / "pairs-00000.parquet")
+    rejected = table["rejected"].to_pylist()
+    rejected[2] = rejected[2][: len(rejected[2]) * 2 // 3]
+    (tmp_path / "set").mkdir()
+    pq.write_table(table.set_column(2, "rejected", pa.array(rejected)), tmp_path / "set" / "a.parquet")
+    with pytest.raises(ValueError, match=r"data.pairs=.*a.parquet, row 3: cannot read image the bytes in column .rejected.: [Tt]runcated"):
+        scan(open_pair_source(tmp_path / "set"))
+    assert scan(open_pair_source(tmp_path / "set"), skip_bad_rows=True).good_rows.tolist() == [0, 1, 3]
+
+
+def test_truncated_arrow_file_of_a_saved_dataset_is_named(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [json.loads(line) for line in write_synthetic_pairs(tmp_path / "src", 6, resolution=8).read_text().splitlines()]
+    for row in rows:
+        row["chosen"], row["rejected"] = ((tmp_path / "src" / row[k]).read_bytes() for k in ("chosen", "rejected"))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    arrow = next((tmp_path / "saved").glob("*.arrow"))
+    truncate(arrow, 0.6)
+    with pytest.raises(ValueError, match=rf"{arrow}: .*truncated or not an Arrow file.*save_to_disk"):
+        scan(open_pair_source(tmp_path / "saved"))

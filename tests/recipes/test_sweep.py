@@ -1,6 +1,7 @@
 """Sweeps through the real CLI on the tiny model: a Hydra multirun (an Optuna search) gives
 each job its own directory and, with 2 workers, its own Ray, started and stopped by the job,
-and the search maximises the final held-out reward that recipes/train.py returns."""
+and the search maximises the final held-out reward that recipes/train.py returns. A sweep
+with a job that cannot run is refused before any job starts (omni/config/sweep.py)."""
 
 import json
 import subprocess
@@ -50,3 +51,35 @@ def test_optuna_multirun_gives_each_job_its_directory_and_ray_and_maximises_the_
     assert results["best_value"] == pytest.approx(max(final_reward(job) for job in jobs), rel=1e-6)
     # the second job could not place its workers on 2 CPUs had the first kept its Ray
     assert output.count("Started a local Ray instance") == 2
+
+
+def test_sweep_with_a_bad_job_is_refused_before_any_job_starts(tmp_path, tiny_cache):
+    """The bad job comes last: without the check the good one would have run first."""
+    command = [sys.executable, "recipes/train.py", "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", f"model.cache_dir={tiny_cache}",
+               "trainer.progress_bar=false", *SHORT, "trainer.lr=1e-2,-1", "model.lora.rank=4,0"]  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "the sweep is refused before any job starts, 3 of its 4 jobs cannot run: "
+        "job #1 (trainer.lr=0.01 model.lora.rank=0): model.lora.rank=0 must be positive; "
+        "job #2 (trainer.lr=-1 model.lora.rank=4): trainer.lr=-1.0 must be positive; "
+        "job #3 (trainer.lr=-1 model.lora.rank=0): model.lora.rank=0 must be positive"
+    )
+    assert not (tmp_path / "sweep").exists()  # no job started, no directory written
+
+
+def test_sweep_of_good_jobs_runs_them_all(tmp_path, tiny_cache):
+    output = sweep(tmp_path, tiny_cache, *SHORT, "trainer.lr=1e-2,2e-2")
+    assert "validated the sweep's 2 jobs before starting any job" in output
+    assert [final_reward(tmp_path / job) > 0 for job in ("0", "1")] == [True, True]
+
+
+def test_search_with_bad_fixed_settings_is_refused_before_any_trial(tmp_path, tiny_cache):
+    """An Optuna search draws its trials as it goes; its fixed settings are checked first."""
+    command = [sys.executable, "recipes/train.py", "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", f"model.cache_dir={tiny_cache}",
+               "hparams_search=optuna", "experiment=tiny_sweep", "hydra.sweeper.n_trials=1", "trainer.steps=-1"]  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1 and not (tmp_path / "sweep").exists()
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "the sweep is refused before any job starts, 1 of its 1 jobs cannot run: job #0 (the fixed settings): trainer.steps=-1"
+    )

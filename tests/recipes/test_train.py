@@ -65,7 +65,7 @@ def test_default_run_raises_held_out_reward(tmp_path, tiny_cache):
     """The README's default run, as is, for seed 0 with 1 OpenMP thread and seed 1 with 2
     (other reduction orders stand in for other machines): the held-out reward rises in a
     paired comparison (same prompts and seeds) with t > 3 each time. (Seeds 0-9 all reach
-    t >= 7 with one thread: conf/model_algorithm/sd3_tiny_flow_grpo.yaml.)"""
+    t >= 7 with one thread: omni/conf/model_algorithm/sd3_tiny_flow_grpo.yaml.)"""
     runs = {tmp_path / f"seed{seed}-threads{n}": (n, [f"seed={seed}"]) for seed, n in ((0, 1), (1, 2))}
     train_in_parallel(runs, tiny_cache)
     for run_dir in runs:

@@ -1,6 +1,6 @@
 """Flow-GRPO through the real CLI on the tiny FLUX, Qwen-Image and Wan (5-frame clips scored
 by their frames' mean brightness, and 9-frame clips by their temporal consistency), each with
-its preset (conf/model_algorithm/): the held-out reward rises in a paired comparison (same
+its preset (omni/conf/model_algorithm/): the held-out reward rises in a paired comparison (same
 prompts and seeds before and after). Four runs at once, on other seeds and thread counts; the
 closing notes give more seeds (Qwen-Image's seed 0 starts slowly: it needs about 50 steps;
 Wan's brightness seeds 0 and 1 reach t 13 and 15, its temporal consistency with 9 frames

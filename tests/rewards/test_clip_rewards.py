@@ -85,7 +85,7 @@ def test_head_of_another_size_is_named(clip_dir, tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["reward=pickscore"], "(?s)missing mandatory value: path.*full_key: reward.components.pickscore.path"),
+        (["reward=pickscore"], "reward.components.pickscore.path is mandatory and not set: pass reward.components.pickscore.path="),
         (["reward=pickscore", "reward.components.pickscore.path=/nonexistent/pickscore"], "reward.components.pickscore.path=/nonexistent/pickscore: not a model directory"),
         (["reward=clipscore", "reward.components.clipscore.path={clip}", "reward.components.clipscore.processor_path=/nope"], "reward.components.clipscore.processor_path=/nope: not a model directory"),
         (["reward=aesthetic", "reward.components.aesthetic.path={clip}", "reward.components.aesthetic.head_path=/nope.pth"], "reward.components.aesthetic.head_path=/nope.pth: no such file"),

@@ -54,6 +54,8 @@ def fault_app(behaviour, seen):
             await asyncio.sleep(1.0)
         if behaviour == "refuse":
             return fastapi.Response("prompt 0 has no tag", status_code=422)
+        if behaviour == "nan":  # as Python's json writes a NaN score (the protocol lets one through)
+            return fastapi.Response("{\"scores\": [NaN, 1.0, 2.0, NaN, 3.0]}", media_type="application/json")
         return {"scores": [float(len(p)) for p in body["prompts"]]}
 
     return app
@@ -212,3 +214,38 @@ def test_server_failing_mid_run_stops_it_naming_reward_url_and_step(tiny_cache, 
     assert f"reward 'http': POST {url}/score failed 2 times" in message and "HTTP 503: out of memory" in message
     assert "during training step 1. Training stopped: no checkpoint was saved yet" in message
     assert seen == [1, 8, 8]  # the evaluation, then one training batch tried twice
+
+
+def test_server_answering_nan_is_named_by_its_url():
+    from omni.rewards import NonFiniteReward
+
+    with uvicorn_server(fault_app("nan", [])) as url:
+        reward = WeightedReward({"http": {"url": url, "retries": 0}})
+        reward.setup()
+        try:
+            scores = reward(IMAGES, PROMPTS)
+            with pytest.raises(NonFiniteReward, match=rf"during training step 3: 'http' \(served by {url}\) on 2 of 5 images"):
+                reward.finite(scores, "training step 3")
+        finally:
+            reward.teardown()
+
+
+def test_docs_describe_the_protocol_and_a_bad_body_is_refused_naming_the_field():
+    """The server's bodies are pydantic models: /openapi.json (what /docs shows) has them, and
+    a body that does not fit is a 400 (refused, not retried) that names the field."""
+    import httpx
+
+    reward = WeightedReward({"brightness": {}})
+    with uvicorn_server(build_app(reward)) as url:
+        spec = httpx.get(f"{url}/openapi.json").json()
+        assert httpx.get(f"{url}/docs").status_code == 200
+        schemas = spec["components"]["schemas"]
+        assert set(schemas["ScoreRequest"]["properties"]) == {"prompts", "images", "metadata"}
+        assert schemas["ScoreResponse"]["properties"]["scores"]["type"] == "array"
+        assert spec["paths"]["/score"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ScoreRequest")
+        assert set(schemas["Health"]["properties"]) == {"ok", "reward"}
+        bad = httpx.post(f"{url}/score", json={"prompts": "a cat", "images": []})
+        assert bad.status_code == 400 and "prompts" in bad.json()["detail"]
+        assert httpx.post(f"{url}/score", content=b"{not json", headers={"Content-Type": "application/json"}).status_code == 400
+        answer = httpx.post(f"{url}/score", json=score_request(IMAGES[:2], PROMPTS[:2]))  # the client's body, unchanged
+        assert answer.status_code == 200 and len(answer.json()["scores"]) == 2

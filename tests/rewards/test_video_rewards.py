@@ -18,13 +18,13 @@ def test_frame_average_is_the_mean_of_each_frames_image_reward():
     reward = WeightedReward({"frame_average": {"image": "brightness"}})
     clips = torch.stack([clip(0.2, 0.4, 0.9), clip(1.0, 1.0, 1.0)])
     scores = reward(clips, ["a", "b"])
-    assert torch.allclose(scores["frame_average"], torch.tensor([0.5, 1.0]))
+    assert torch.allclose(scores["frame_brightness"], torch.tensor([0.5, 1.0]))
     # a frame's reward counts once: the clip's mean is not the reward of its mean frame for a non-linear reward
     jpeg = WeightedReward({"frame_average": {"image": "jpeg_compressibility", "image_options": {"quality": 50}}})
     noisy = torch.rand(2, 3, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     noisy[0, 1:] = 0.5
     per_frame = torch.stack([jpeg.rewards["frame_average"].inner.score(c, ["a"] * 3) for c in noisy])
-    assert torch.allclose(jpeg(noisy, ["a", "b"])["frame_average"], per_frame.mean(1))
+    assert torch.allclose(jpeg(noisy, ["a", "b"])["frame_jpeg_compressibility"], per_frame.mean(1))
     assert jpeg.rewards["frame_average"].inner.options.quality == 50
 
 
@@ -32,7 +32,7 @@ def test_frame_average_passes_each_frame_the_clips_prompt():
     reward = WeightedReward({"frame_average": {"image": "color"}})
     red = clip(1, 0.5, 0)
     red[:, 1:] = 0  # pure red frames, then a grey and a black one
-    scores = reward(torch.stack([red, red]), ["a red car", "a blue car"])["frame_average"]
+    scores = reward(torch.stack([red, red]), ["a red car", "a blue car"])["frame_color"]
     assert scores[0] > scores[1]
 
 

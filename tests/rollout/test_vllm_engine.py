@@ -41,10 +41,11 @@ def test_missing_engine_fails_at_validation_saying_what_to_install(no_engine_env
         assert hint in message
 
 
-def test_attaching_by_url_or_a_local_backend_validates(no_engine_env, tiny_cache, tmp_path):
-    for override in ("rollout.options.url=http://engine:8765", "rollout.options.backend=local"):
-        cfg = validate(compose_config(["rollout=vllm", override, f"model.cache_dir={tiny_cache}"], tmp_path))
-        assert cfg.rollout.engine == "vllm"
+def test_a_local_backend_validates_without_the_engine_env(no_engine_env, tiny_cache, tmp_path):
+    """(Attaching by rollout.options.url needs no engine env either, but an engine that answers:
+    tests/config/test_engine_probe.py.)"""
+    cfg = validate(compose_config(["rollout=vllm", "rollout.options.backend=local", f"model.cache_dir={tiny_cache}"], tmp_path))
+    assert cfg.rollout.engine == "vllm"
 
 
 def test_bad_options_are_named(no_engine_env):
@@ -159,6 +160,24 @@ def test_engine_error_reaches_the_driver(started_engine):
         started_engine.update_weights({k: torch.zeros(1) for k in plain_base_names(build_tiny_transformer())}, False, None)
 
 
+def test_docs_describe_each_message_and_a_bad_one_is_refused_naming_the_field(started_engine):
+    """The engine's JSON per route is a pydantic model: /openapi.json (what /docs shows) has
+    each, and a message without a field is refused (422, the engine's own error) naming it."""
+    import httpx
+
+    from omni.rollout.engine_client import EngineError
+    from omni.rollout.transport import pack
+
+    spec = httpx.get(f"{started_engine.url}/openapi.json").json()
+    generate = spec["paths"]["/generate"]["post"]["requestBody"]["content"]["application/octet-stream"]
+    assert set(generate["x-omni-json-metadata"]["properties"]) == {"prompts", "seeds", "options"}
+    sync = spec["paths"]["/update_weights"]["post"]["responses"]["200"]["content"]["application/octet-stream"]
+    assert "has_base" in sync["x-omni-json-metadata"]["properties"]
+    assert {"has_base", "model", "family", "backend"} <= set(spec["components"]["schemas"]["EngineHealth"]["properties"])
+    with pytest.raises(EngineError, match=r"HTTP 422: /generate: the message's JSON does not fit GenerateMeta \(seeds: Field required; options.num_steps: Field"):
+        started_engine.client.post("generate", pack(meta={"prompts": ["a red cat"], "options": {}}))
+
+
 @pytest.mark.slow
 def test_shutdown_stops_the_engine_process(tiny_sd3_dir, tmp_path):
     engine = VllmEngine.start(FAMILY, VllmOptions(backend="local", startup_timeout=300), tiny_sd3_dir, torch.device("cpu"), torch.float32, 2, True, tmp_path)
@@ -259,3 +278,50 @@ def wait_for_exit(pid: int, timeout: float) -> bool:
         time.sleep(0.5)
     psutil.Process(pid).kill()
     return False
+
+
+def test_killed_engine_is_named_with_the_step_and_the_last_checkpoint(tiny_cache, tmp_path):
+    """The engine process (local backend) is killed once the first checkpoint is on disk: the
+    run stops naming the dead process, the training step and the checkpoint to resume from."""
+    import os
+    import re
+    import signal
+    import threading
+
+    import psutil
+
+    from omni.rollout.engine_client import EngineUnreachable
+    from omni.trainer import run
+
+    run_dir = tmp_path / "run"
+    overrides = [
+        "rollout=vllm", "rollout.options.backend=local", "rollout.options.retries=0", "trainer.steps=4", "trainer.save_every=1",
+        "trainer.batch_size=4", "algorithm.group_size=2", "trainer.eval_images_per_prompt=1", "trainer.progress_bar=false",
+        f"model.cache_dir={tiny_cache}",
+    ]
+    killed = []
+
+    def engine_processes():
+        return {p.pid for p in psutil.Process().children(recursive=True) if "omni.rollout.vllm_server" in " ".join(p.cmdline())}
+
+    others = engine_processes()  # engines of this module's other tests (their fixtures), left alone
+
+    def kill_after_first_checkpoint():
+        while not (run_dir / "checkpoints" / "step_000001").is_dir():
+            if time.sleep(0.1) or len(killed):
+                return
+        engines = [psutil.Process(pid) for pid in engine_processes() - others]
+        assert len(engines) == 1
+        os.kill(engines[0].pid, signal.SIGKILL)
+        killed.append(engines[0].pid)
+
+    threading.Thread(target=kill_after_first_checkpoint, daemon=True).start()
+    with pytest.raises(EngineUnreachable) as raised:
+        run(compose_config(overrides, run_dir))
+    killed.append(None)  # stops the watcher if the run ended first
+    message = str(raised.value)
+    assert f"the rollout engine process (pid {killed[0]}) is gone: killed by signal 9; its log: " in message, message
+    step = re.search(r"during training step (\d+)\. Training stopped: ", message)
+    assert step, message
+    last = run_dir / "checkpoints" / f"step_{int(step.group(1)) - 1:06d}"
+    assert f"the last checkpoint, {last}, is intact; continue with trainer.resume=auto" in message, message

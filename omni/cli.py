@@ -1,0 +1,30 @@
+"""The `omni-train` command (installed with the package) and `python recipes/train.py`: the same
+Hydra application, whose config groups ship in the package (`pkg://omni.conf`).
+
+    omni-train                                   # tiny offline SD3 on the CPU
+    omni-train model=sd3 model.path=/ckpt/sd3.5-medium rollout=vllm trainer=gpu
+    omni-train -m seed=1,2 algorithm.clip_range=1e-4,2e-4
+    omni-train --cfg job                         # print the composed config
+
+Compose -> validate (before any model loads) -> build -> train. Returns the final evaluation
+reward, so Hydra sweepers can optimise it.
+"""
+
+import logging
+
+import hydra
+from omegaconf import DictConfig
+
+from omni.config import CONFIG_PATH, register_configs
+from omni.config.presets import describe_model_algorithm_preset
+
+register_configs()
+log = logging.getLogger("omni.recipes.train")
+
+
+@hydra.main(config_path=CONFIG_PATH, config_name="train", version_base="1.3")
+def train(cfg: DictConfig) -> float:
+    from omni.trainer import run
+
+    log.info(describe_model_algorithm_preset(cfg))
+    return run(cfg)
