@@ -13,7 +13,7 @@ class LRSchedule(str, Enum):
 
 @dataclass
 class TrainerConfig:
-    steps: int = 20
+    steps: int = 50
     # Images per step over all workers (prompts per step = batch_size / group_size).
     batch_size: int = 32
     # Samples per actor forward/backward; gradients are accumulated over the batch.
