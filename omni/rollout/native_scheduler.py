@@ -4,10 +4,10 @@
 transformer, attention kernels and text encoders). Its denoising loop, like diffusers',
 asks a scheduler for each step: `scheduler.step(velocity, t, latents, return_dict=False)`.
 `FlowGRPOScheduler` is that scheduler. Between `start_rollout` and `finish_rollout` it takes
-the same steps `omni.rollout.sampling.sample_trajectories` takes (the SDE step with its
-log-prob inside the window, the ODE solver elsewhere) and records the trajectory, so the
-actor re-scores what was sampled; outside a rollout (vLLM-Omni's start-up warm-up) it is
-the plain flow-matching Euler scheduler it extends.
+the steps `omni.rollout.sampling.sample_trajectories` takes, with the same function
+(`rollout_step`: the SDE step with its log-prob inside the window, the ODE solver elsewhere),
+and records the trajectory, so the actor re-scores what was sampled; outside a rollout
+(vLLM-Omni's start-up warm-up) it is the plain flow-matching Euler scheduler it extends.
 
 Like our sampler it keeps the latents in fp32: the loop gets them back in its own dtype
 (bf16 on a GPU) for the next transformer call, but the step continues from its fp32 copy.
@@ -28,7 +28,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from omni.models.packing import pack, unpack
 from omni.rollout.base import SamplingOptions
 from omni.rollout.ode import ODESolver
-from omni.rollout.sde import is_noisy_step, sde_step
+from omni.rollout.sampling import rollout_step
 
 Noise = Callable[[Sequence[torch.Generator], torch.Tensor], torch.Tensor]
 
@@ -120,18 +120,8 @@ class FlowGRPOScheduler(FlowMatchEulerDiscreteScheduler):
             run.x = sample.float()
             run.draw(run.x)  # the initial latent's draw: the step noise comes after it
             run.trajectory.append(run.x)
-        sigma, sigma_next = self.sigmas[i].float().cpu(), self.sigmas[i + 1].float().cpu()
-        velocity = model_output.float()
-        start, stop = options.sde_steps
-        if start <= i < stop and is_noisy_step(options.sde_type, sigma_next):
-            sigma_max = float(self.sigmas[1])
-            run.x, log_prob, _, _ = sde_step(
-                velocity, run.x, sigma, sigma_next, sigma_max, options.noise_level, noise=run.draw(run.x), sde_type=options.sde_type
-            )
-            run.ode.reset()
-        else:
-            run.x = run.ode.step(velocity, run.x, sigma, sigma_next)
-            log_prob = torch.zeros(len(run.generators), device=run.x.device)
+        sigmas = self.sigmas.float().cpu()
+        run.x, log_prob = rollout_step(model_output.float(), run.x, sigmas, i, options, run.ode, lambda: run.draw(run.x))
         run.trajectory.append(run.x)
         run.log_probs.append(log_prob)
         run.index += 1

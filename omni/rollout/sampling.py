@@ -4,8 +4,11 @@ Given a model family and its diffusers pipeline, it samples images with SDE step
 or coefficients-preserving ones: `SamplingOptions.sde_type`) inside the SDE window and ODE
 steps elsewhere (Euler's or DPM-Solver++(2M)'s: `SamplingOptions.ode_solver`), and
 returns what the actor needs to re-score them (the SDE steps; ODE steps have log-prob 0).
-Both engines call `sample_rollout`, so they produce the same latents and log-probs for the
-same weights, prompts and seeds.
+The in-process engine and the `vllm` backend's pipeline call `sample_rollout`; the `native`
+backend runs vLLM-Omni's own denoising loop, whose scheduler
+(`omni.rollout.native_scheduler.FlowGRPOScheduler`) takes its steps with `rollout_step`, the
+step `sample_trajectories` takes. So every engine produces the same latents and log-probs
+for the same weights, prompts and seeds.
 
 Randomness is per image: image i draws its initial latent and every step's noise from a
 generator seeded with seeds[i], so an image does not depend on how the batch is split
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -84,6 +87,27 @@ class PromptCache:
         return cond
 
 
+def rollout_step(
+    velocity: torch.Tensor, x: torch.Tensor, sigmas: torch.Tensor, i: int, options: SamplingOptions, ode: ODESolver,
+    draw: Callable[[], torch.Tensor],
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Step `i` of a rollout from the fp32 latent `x` with the fp32 `velocity`: (the next
+    latent, its log-prob per image). Inside the SDE window (`options.sde_steps`) a stochastic
+    step ("sde" or "cps") whose noise is `draw()`, after which the ODE solver forgets its
+    history (its next step starts from where the SDE left the latent); elsewhere, and on a
+    CPS step to sigma 0, the ODE solver's step, log-prob 0. `sigmas`: the schedule, fp32 on
+    the CPU. Both samplers step with this: `sample_trajectories` and the native backend's
+    `FlowGRPOScheduler.step`."""
+    start, stop = options.sde_steps
+    if start <= i < stop and is_noisy_step(options.sde_type, sigmas[i + 1]):
+        x, log_prob, _, _ = sde_step(
+            velocity, x, sigmas[i], sigmas[i + 1], float(sigmas[1]), options.noise_level, noise=draw(), sde_type=options.sde_type
+        )
+        ode.reset()
+        return x, log_prob
+    return ode.step(velocity, x, sigmas[i], sigmas[i + 1]), torch.zeros(len(x), device=x.device)
+
+
 @torch.no_grad()
 def sample_trajectories(
     family: ModelFamily, pipe, cond: Conditioning, seeds: Sequence[int], sigmas: torch.Tensor, options: SamplingOptions, device, dtype,
@@ -103,7 +127,6 @@ def sample_trajectories(
     x = draw()
     trajectory, log_probs, unconds = [x], [], []
     start, stop = options.sde_steps
-    sigma_max = float(sigmas[1])
     ode = ODESolver(options.ode_solver)
     for i in range(options.num_steps):
         sigma = sigmas[i].expand(len(seeds)).to(device)
@@ -112,13 +135,7 @@ def sample_trajectories(
             unconds.append(uncond.cpu())
         else:
             velocity = family.predict_velocity(transformer, x.to(dtype), sigma, cond, options.guidance_scale)
-        if start <= i < stop and is_noisy_step(options.sde_type, sigmas[i + 1]):
-            x, log_prob, _, _ = sde_step(
-                velocity, x, sigmas[i], sigmas[i + 1], sigma_max, options.noise_level, noise=draw(), sde_type=options.sde_type
-            )
-            ode.reset()  # the next ODE step starts from where the SDE left the latent, without history
-        else:
-            x, log_prob = ode.step(velocity, x, sigmas[i], sigmas[i + 1]), torch.zeros(len(seeds), device=device)
+        x, log_prob = rollout_step(velocity, x, sigmas, i, options, ode, draw)
         trajectory.append(x)
         log_probs.append(log_prob)
     images = family.decode(pipe, x, options.resolution)
