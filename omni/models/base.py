@@ -4,9 +4,12 @@ A family (`omni/models/<name>.py`, chosen by `model.family`) loads its diffusers
 from a local path or builds a tiny random one offline, encodes text into its own
 conditioning type, draws and packs initial latents, predicts the flow-matching velocity
 (with its own guidance), decodes latents to images and encodes images to latents, and
-exports a LoRA in its diffusers pipeline's format. Nothing outside `omni/models/` names a
-family's classes: the sampler, the worker, checkpoints, validation and the vLLM-Omni
-protocol all go through this interface.
+exports a LoRA in its diffusers pipeline's format; a family that vLLM-Omni's own pipeline
+serves (`rollout.options.backend=native`) also states that pipeline's facts
+(`ModelFamily.native`, `omni.models.native`). No module of the package outside
+`omni/models/` names a family or its classes: the sampler, the worker, checkpoints,
+validation, the vLLM-Omni protocol and the native backend all go through this interface and
+`omni.models.get_family` (scripts and tests import a family's tiny builder directly).
 
 `ModelFamily` implements what diffusers pipelines share (loading by class name, LoRA
 export, the scheduler's noise levels, path and resolution checks); a family fills in the
@@ -137,6 +140,9 @@ class ModelFamily:
     video: bool = False
     # Whether the vLLM-Omni engine (rollout=vllm) serves this family; validation refuses it otherwise.
     vllm_served: bool = False
+    # vLLM-Omni's own pipeline of the family as `rollout.options.backend=native` extends it (an
+    # `omni.models.native.NativePipeline`); None: the native backend does not serve the family.
+    native = None
     # For memory estimates: published architectures (name -> transformer config in
     # omni/models/configs/) and the parameters of their text encoders and VAE.
     published_configs: Dict[str, str] = {}

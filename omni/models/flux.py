@@ -30,6 +30,7 @@ from typing import List, Sequence
 import torch
 
 from omni.models.base import Conditioning, ModelFamily, vae_decode, vae_encode
+from omni.models.native import NativePipeline, packed_step_noise
 from omni.models.packing import pack, packed_noise, shifted_sigmas, unpack
 from omni.models.tiny_parts import (
     TINY_VAE_FACTOR,
@@ -116,6 +117,25 @@ class FluxPromptEmbeds(Conditioning):
     pooled: torch.Tensor
 
 
+class FluxNative(NativePipeline):
+    """vLLM-Omni's FLUX.1 pipeline (dev's distilled guidance, or schnell's none) under
+    `rollout.options.backend=native`: its loop gives the transformer the same fp32 guidance
+    vector the actor does; latents stay packed, as vLLM-Omni packs them."""
+
+    pipeline = "vllm_omni.diffusion.models.flux.pipeline_flux.FluxPipeline"
+    cond_arguments = ("prompt_embeds", "pooled_prompt_embeds")
+    noise = staticmethod(packed_step_noise)
+
+    def timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
+        return sigmas  # FLUX's transformer takes sigma (and multiplies it by 1000 itself)
+
+    @torch.no_grad()
+    def encode_prompts(self, pipe, prompts, guidance_scale: float, max_sequence_length: int):
+        """T5's sequence and CLIP's pooled embedding from vLLM-Omni's encoders (no negative prompt)."""
+        embeds, pooled, _ = pipe.encode_prompt(prompt=list(prompts), prompt_2=None, max_sequence_length=max_sequence_length)
+        return pipe.family.conditioning(embeds, pooled).apply(lambda t: t.cpu())
+
+
 class FluxFamily(ModelFamily):
     name = "flux"
     pipeline_class = "FluxPipeline"
@@ -124,6 +144,7 @@ class FluxFamily(ModelFamily):
     layer_prefixes = ("transformer_blocks.", "single_transformer_blocks.")
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     text_encoders = ("text_encoder", "text_encoder_2")
+    native = FluxNative()
     published_configs = {"flux.1-dev": "flux.1-dev-transformer.json", "flux.1-schnell": "flux.1-schnell-transformer.json"}
     # CLIP ViT-L/14's text model and the T5-XXL encoder; the 16-channel autoencoder.
     text_encoder_params = 123_060_480 + 4_762_310_656

@@ -38,6 +38,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from omni.models.base import Conditioning, ModelFamily
+from omni.models.native import NativePipeline, packed_step_noise
 from omni.models.packing import pack, packed_noise, shifted_sigmas, unpack
 from omni.models.tiny_parts import TINY_DECODER_GAIN, TINY_WORDS, cached_checkpoint, save_pipeline
 
@@ -246,6 +247,40 @@ def true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Te
     return combined * (cond.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
 
 
+class QwenImageNative(NativePipeline):
+    """vLLM-Omni's Qwen-Image pipeline under `rollout.options.backend=native`: its true CFG is
+    our combination and norm rescale, run when a request carries the negative prompt " " and
+    `true_cfg_scale` (`pipeline_guidance`); its transformer fuses q/k/v as SD3's does and names
+    diffusers' `to_out.0` (the first entry of a list) `to_out`."""
+
+    pipeline = "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image.QwenImagePipeline"
+    renamed = (("to_out.0", "to_out"),)
+    cond_arguments = ("prompt_embeds", "prompt_embeds_mask", "negative_prompt_embeds", "negative_prompt_embeds_mask")
+    noise = staticmethod(packed_step_noise)
+    post_processes_images = True  # its post-process makes PIL images of the payload
+
+    def timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
+        return sigmas * 1000 / 1000  # the scheduler's timestep, divided as the pipeline does
+
+    def conditioning(self, family, given, max_sequence_length: int):
+        """Each prompt's embeddings and mask padded to `max_sequence_length` (vLLM-Omni pads a
+        batch to its longest prompt), so rows of other batches stack."""
+        embeds, mask, neg, neg_mask = given.values()
+        negatives = pad_to(neg, neg_mask, max_sequence_length) if neg is not None else (None, None)
+        return family.conditioning(*pad_to(embeds, mask, max_sequence_length), *negatives)
+
+    @torch.no_grad()
+    def encode_prompts(self, pipe, prompts, guidance_scale: float, max_sequence_length: int):
+        """The prompts' (and under true CFG the negative prompt's) embeddings and masks from
+        vLLM-Omni's text encoder, padded to `max_sequence_length`, as the family encodes them."""
+
+        def padded(texts):
+            return pad_to(*pipe.encode_prompt(prompt=texts, max_sequence_length=max_sequence_length), max_sequence_length)
+
+        negatives = padded([NEGATIVE_PROMPT] * len(prompts)) if guidance_scale > 1 else (None, None)
+        return pipe.family.conditioning(*padded(list(prompts)), *negatives).apply(lambda t: t.cpu())
+
+
 class QwenImageFamily(ModelFamily):
     name = "qwen_image"
     pipeline_class = "QwenImagePipeline"
@@ -254,6 +289,7 @@ class QwenImageFamily(ModelFamily):
     layer_prefixes = ("transformer_blocks.",)
     # Both streams' attention projections (image: to_*, text: add_*_proj, to_add_out).
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    native = QwenImageNative()
 
     def unused_modules(self, transformer_config: dict) -> List[str]:
         """In the last block, what only the text stream's output depends on (its queries, its

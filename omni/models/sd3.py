@@ -19,6 +19,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from omni.models.base import Conditioning, ModelFamily, vae_decode, vae_encode
+from omni.models.native import NativePipeline
 from omni.models.tiny_parts import (
     TINY_VAE_FACTOR,
     autoencoder_kl,
@@ -104,6 +105,25 @@ class PromptEmbeds(Conditioning):
     neg_pooled: Optional[torch.Tensor] = None
 
 
+class SD3Native(NativePipeline):
+    """vLLM-Omni's SD3 pipeline under `rollout.options.backend=native`."""
+
+    pipeline = "vllm_omni.diffusion.models.sd3.pipeline_sd3.StableDiffusion3Pipeline"
+    cond_arguments = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds")
+
+    def timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
+        return sigmas * 1000  # SD3's transformer takes t = 1000 sigma
+
+    @torch.no_grad()
+    def encode_prompts(self, pipe, prompts, guidance_scale: float, max_sequence_length: int):
+        """From vLLM-Omni's text encoders (negatives: the empty prompt)."""
+        embeds, pooled = pipe.encode_prompt(prompt=list(prompts), prompt_2=None, prompt_3=None, max_sequence_length=max_sequence_length)
+        negatives = (None, None)
+        if guidance_scale > 1:
+            negatives = pipe.encode_prompt(prompt=[""] * len(prompts), prompt_2=None, prompt_3=None, max_sequence_length=max_sequence_length)
+        return pipe.family.conditioning(embeds, pooled, *negatives).apply(lambda t: t.cpu())
+
+
 class SD3Family(ModelFamily):
     name = "sd3"
     pipeline_class = "StableDiffusion3Pipeline"
@@ -113,6 +133,7 @@ class SD3Family(ModelFamily):
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
     vllm_served = True
+    native = SD3Native()
     published_configs = {"sd3.5-medium": "sd3.5-medium-transformer.json", "sd3.5-large": "sd3.5-large-transformer.json"}
     # CLIP-L/14, OpenCLIP bigG/14 and the T5-XXL encoder; the 16-channel VAE (published configs).
     text_encoder_params = 123_650_560 + 694_659_840 + 4_762_310_656

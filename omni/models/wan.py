@@ -39,6 +39,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from omni.models.base import Conditioning, ModelFamily
+from omni.models.native import NativePipeline
 from omni.models.tiny_parts import TINY_DECODER_GAIN, cached_checkpoint, save_pipeline, t5_tokenizer
 
 # Bump when the tiny architecture changes, so stale caches are not reused.
@@ -133,6 +134,13 @@ class WanPromptEmbeds(Conditioning):
     neg_embeds: Optional[torch.Tensor] = None
 
 
+class WanNative(NativePipeline):
+    """vLLM-Omni has a Wan pipeline, which the native backend does not extend yet."""
+
+    pipeline = "WanPipeline"
+    extended = False
+
+
 class WanFamily(ModelFamily):
     name = "wan"
     pipeline_class = "WanPipeline"
@@ -143,6 +151,7 @@ class WanFamily(ModelFamily):
     # Self- (attn1) and cross-attention (attn2) projections of every block.
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     text_encoders = ("text_encoder",)
+    native = WanNative()
     published_configs = {
         "wan2.1-t2v-1.3b": "wan2.1-t2v-1.3b-transformer.json",
         "wan2.1-t2v-14b": "wan2.1-t2v-14b-transformer.json",

@@ -1,36 +1,25 @@
 """Base-weight names: `collect_lora_params`' plain state-dict names -> vLLM-Omni's parameters.
 
 `rollout.options.backend=native` runs vLLM-Omni's own transformer of the family, whose
-modules follow diffusers' names except where vLLM-Omni fuses projections into one
-parallel linear layer: in SD3's and FLUX's attention (FLUX's single blocks too) `to_q`/
-`to_k`/`to_v` are the shards q/k/v of `to_qkv`, and the context stream's `add_q_proj`/
-`add_k_proj`/`add_v_proj` those of `add_kv_proj` (FLUX's single blocks keep `proj_mlp`
-and `proj_out` apart, as diffusers does). Qwen-Image fuses the same projections and also
-renames a module: diffusers' `to_out` is a list whose first entry is the output linear,
-vLLM-Omni's `to_out` is that linear (`attn.to_out.0.weight` -> `attn.to_out.weight`). A weight is loaded by its target parameter's own `weight_loader` (which
-places a shard and, under tensor parallelism, slices it), so we name the target and the
-shard; loading checks that every target parameter (every shard of a fused one) gets
-exactly one tensor.
+modules follow diffusers' names except where vLLM-Omni fuses projections into one parallel
+linear layer or renames a module path part: the family states both (`native.fused`,
+`native.renamed`; `omni.models.native`). For SD3, FLUX and Qwen-Image `to_q`/`to_k`/`to_v`
+are the shards q/k/v of `to_qkv`, and the context stream's `add_q_proj`/`add_k_proj`/
+`add_v_proj` those of `add_kv_proj`; Qwen-Image's `to_out.0` (diffusers' list's first
+entry, the output linear) is vLLM-Omni's `to_out`. A weight is loaded by its target
+parameter's own `weight_loader` (which places a shard and, under tensor parallelism, slices
+it), so we name the target and the shard; loading checks that every target parameter (every
+shard of a fused one) gets exactly one tensor.
 
-No vLLM import here: the rules are plain data, tested without the engine env.
+No vLLM import here: the rules are the family's plain data, tested without the engine env.
 """
 
 from __future__ import annotations
 
 from typing import Dict, Iterable, Optional, Set, Tuple
 
-# {plain module leaf: (vLLM-Omni's module leaf, shard)}
-QKV_FUSED: Dict[str, Tuple[str, str]] = {
-    "to_q": ("to_qkv", "q"),
-    "to_k": ("to_qkv", "k"),
-    "to_v": ("to_qkv", "v"),
-    "add_q_proj": ("add_kv_proj", "q"),
-    "add_k_proj": ("add_kv_proj", "k"),
-    "add_v_proj": ("add_kv_proj", "v"),
-}
-FUSED: Dict[str, Dict[str, Tuple[str, str]]] = {"sd3": QKV_FUSED, "flux": QKV_FUSED, "qwen_image": QKV_FUSED}
-# {family: ((plain module path part, vLLM-Omni's), ...)}: parts of a module path renamed
-RENAMED: Dict[str, Tuple[Tuple[str, str], ...]] = {"qwen_image": (("to_out.0", "to_out"),)}
+from omni.rollout.native_support import native_facts
+
 Target = Tuple[str, Optional[str]]  # (vLLM-Omni's parameter name, shard or None)
 
 
@@ -38,14 +27,14 @@ def native_module(family: str, module: str) -> str:
     """A plain module path (`transformer_blocks.0.attn.to_out.0`) under vLLM-Omni's
     renames (`transformer_blocks.0.attn.to_out`); fused projections keep their plain name."""
     dotted = f".{module}."
-    for plain, native in RENAMED.get(family, ()):
+    for plain, native in native_facts(family).renamed:
         dotted = dotted.replace(f".{plain}.", f".{native}.")
     return dotted[1:-1]
 
 
 def native_name(family: str, plain: str) -> Target:
     """The vLLM-Omni parameter (and shard) that the plain tensor `plain` loads into."""
-    rules = FUSED[family]
+    rules = native_facts(family).fused
     module, _, leaf = plain.rpartition(".")  # leaf: weight, bias
     module = native_module(family, module)
     parent, _, last = module.rpartition(".")
@@ -72,7 +61,7 @@ def expected_targets(family: str, native_param_names: Iterable[str]) -> Set[Targ
     """What a complete base sync fills: each parameter of vLLM-Omni's module, each shard
     of a fused one."""
     shards: Dict[str, Set[str]] = {}
-    for fused, shard in FUSED[family].values():
+    for fused, shard in native_facts(family).fused.values():
         shards.setdefault(fused, set()).add(shard)
     out: Set[Target] = set()
     for name in native_param_names:

@@ -12,9 +12,9 @@ and records the trajectory, so the actor re-scores what was sampled; outside a r
 Like our sampler it keeps the latents in fp32: the loop gets them back in its own dtype
 (bf16 on a GPU) for the next transformer call, but the step continues from its fp32 copy.
 Image i's noise comes from a generator seeded with seeds[i] that has first drawn the
-initial latent (as the sampler's does), in the family's own layout (`noise`: a packed
-family draws its noise unpacked and packs it, as its initial latent), so in fp32 the images
-equal the in-process engine's for the same weights and seeds.
+initial latent (as the sampler's does), in the family's own layout (its `native.noise`:
+a packed family draws its noise unpacked and packs it, as its initial latent), so in fp32
+the images equal the in-process engine's for the same weights and seeds.
 """
 
 from __future__ import annotations
@@ -25,23 +25,12 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from omni.models.packing import pack, unpack
+from omni.models.native import unpacked_step_noise
 from omni.rollout.base import SamplingOptions
 from omni.rollout.ode import ODESolver
 from omni.rollout.sampling import rollout_step
 
-Noise = Callable[[Sequence[torch.Generator], torch.Tensor], torch.Tensor]
-
-
-def standard_noise(generators: Sequence[torch.Generator], like: torch.Tensor) -> torch.Tensor:
-    """One standard normal latent of `like`'s shape per generator (an unpacked family's noise)."""
-    return torch.stack([torch.randn(like.shape[1:], generator=g) for g in generators])
-
-
-def packed_noise(generators: Sequence[torch.Generator], like: torch.Tensor) -> torch.Tensor:
-    """A packed family's noise (FLUX, Qwen-Image: (B, tokens, 4C), one token per 2x2 patch):
-    drawn unpacked, (C, 2h, 2w) per image, then packed, as its initial latent is drawn."""
-    return pack(standard_noise(generators, unpack(like)))
+Noise = Callable[[Sequence[torch.Generator], torch.Tensor], torch.Tensor]  # a family's `native.noise`
 
 
 @dataclass
@@ -74,7 +63,7 @@ class FlowGRPOScheduler(FlowMatchEulerDiscreteScheduler):
 
     _rollout: Optional[_Rollout] = None
 
-    def start_rollout(self, seeds: Sequence[int], options: SamplingOptions, noise: Noise = standard_noise) -> None:
+    def start_rollout(self, seeds: Sequence[int], options: SamplingOptions, noise: Noise = unpacked_step_noise) -> None:
         """The next denoising loop samples `seeds` (one per latent of its batch) with `options`,
         drawing its noise with `noise(generators, like)`."""
         self._rollout = _Rollout(seeds, options, noise)

@@ -1,13 +1,16 @@
 """Which families and vLLM-Omni versions `rollout.options.backend=native` supports, checked
 before any model loads.
 
-The native backend (`omni.rollout.vllm_native`) extends vLLM-Omni's own pipeline of the
-family through hooks that pipeline has: its `scheduler` (stepped by its denoising loop via
-`scheduler_step`), `diffuse`, `forward`, the transformer's `load_weights` (which declares
-the fused projections), and the worker's LoRA manager with per-request `lora_request`.
-`hook_problems` looks for each of them in the installed vLLM-Omni; it runs in the engine's
-environment (`python -m omni.rollout.native_support FAMILY`), which the driver calls
-through `native_problem` at validation.
+A family is served when it states its facts for the native backend (`ModelFamily.native`,
+an `omni.models.native.NativePipeline` in the family's own module): vLLM-Omni's pipeline
+class of it and the hooks of that pipeline the backend uses. The native backend
+(`omni.rollout.vllm_native`) extends that pipeline through hooks it has: its `scheduler`
+(stepped by its denoising loop via `scheduler_step`), `diffuse`, `forward`, the
+transformer's `load_weights` (which declares the fused projections), and the worker's LoRA
+manager with per-request `lora_request`. `hook_problems` looks for each of them in the
+installed vLLM-Omni; it runs in the engine's environment
+(`python -m omni.rollout.native_support FAMILY`), which the driver calls through
+`native_problem` at validation.
 """
 
 from __future__ import annotations
@@ -20,22 +23,13 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-NATIVE_PIPELINE_CLASSES = {
-    "sd3": "omni.rollout.vllm_native.NativeSD3Pipeline",
-    "flux": "omni.rollout.vllm_native.NativeFluxPipeline",
-    "qwen_image": "omni.rollout.vllm_native.NativeQwenImagePipeline",
-}
-# vLLM-Omni's pipelines for other families of ours, not yet extended by a native pipeline of ours
-NOT_YET_NATIVE = {"wan": "WanPipeline"}
+from omni.models import FAMILIES, get_family
+from omni.models.native import NativePipeline
+
+# the module whose attributes are the native pipeline classes, one per served family
+NATIVE_MODULE = "omni.rollout.vllm_native"
 # the vLLM-Omni releases whose pipelines the native backend was checked against
 TESTED_VERSIONS = ("0.30",)
-# family -> (vLLM-Omni's pipeline class, the attributes the native backend uses)
-PIPELINE_HOOKS = ("diffuse", "forward", "scheduler_step", "prepare_timesteps", "load_weights", "encode_prompt")
-HOOKS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
-    "sd3": ("vllm_omni.diffusion.models.sd3.pipeline_sd3.StableDiffusion3Pipeline", PIPELINE_HOOKS),
-    "flux": ("vllm_omni.diffusion.models.flux.pipeline_flux.FluxPipeline", PIPELINE_HOOKS),
-    "qwen_image": ("vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image.QwenImagePipeline", PIPELINE_HOOKS),
-}
 # prompt fields of a request (vLLM-Omni's OmniTextPrompt) among a family's pipeline guidance
 PROMPT_FIELDS = ("negative_prompt",)
 ENGINE_HOOKS = (
@@ -45,17 +39,48 @@ ENGINE_HOOKS = (
 )
 
 
+def native_families() -> List[str]:
+    """The families whose vLLM-Omni pipeline the native backend extends."""
+    return [name for name in FAMILIES.names() if _served(get_family(name).native)]
+
+
+def _served(native: Optional[NativePipeline]) -> bool:
+    return native is not None and native.extended
+
+
+def native_facts(family: str) -> NativePipeline:
+    """`model.family`'s facts for the native backend; a KeyError for a family without them."""
+    native = get_family(family).native
+    if not _served(native):
+        raise KeyError(f"model.family={family}: the native backend does not extend vLLM-Omni's pipeline of it")
+    return native
+
+
+def native_class_name(family: str) -> str:
+    """Our pipeline class of `family` in `NATIVE_MODULE`: `Native` + vLLM-Omni's class name."""
+    return f"Native{native_facts(family).class_name}"
+
+
+def native_pipeline_class(family: str) -> str:
+    """Our pipeline class of `family`, by qualified name (what vLLM-Omni is told to run)."""
+    return f"{NATIVE_MODULE}.{native_class_name(family)}"
+
+
 def supported() -> str:
-    return f"supported: model.family in {sorted(NATIVE_PIPELINE_CLASSES)} with vLLM-Omni {', '.join(v + '.x' for v in TESTED_VERSIONS)}"
+    return f"supported: model.family in {native_families()} with vLLM-Omni {', '.join(v + '.x' for v in TESTED_VERSIONS)}"
 
 
 def family_problem(family: str) -> Optional[str]:
     """Why `family` has no native backend (None when it has one); no vLLM-Omni needed."""
-    if family in NATIVE_PIPELINE_CLASSES:
+    try:
+        native = get_family(family).native
+    except KeyError:  # no such family: validation names it apart
+        native = None
+    if _served(native):
         return None
     detail = (
-        f"vLLM-Omni has a {NOT_YET_NATIVE[family]} but omni-recipes does not extend it yet"
-        if family in NOT_YET_NATIVE
+        f"vLLM-Omni has a {native.class_name} but omni-recipes does not extend it yet"
+        if native is not None
         else "vLLM-Omni has no pipeline for it that omni-recipes extends"
     )
     return f"rollout.options.backend=native: model.family={family}: {detail}; {supported()}; or use rollout.options.backend=vllm"
@@ -67,8 +92,6 @@ def request_guidance(family: str, guidance_scale: float) -> Tuple[Dict[str, Any]
     Qwen-Image's negative prompt " " and `true_cfg_scale`) split between the prompt and the
     sampling params. Without a second pass (`forward_passes` 1) no negative prompt: vLLM-Omni's
     Qwen-Image runs true CFG whenever a request has one, taking a scale of 0 for 4."""
-    from omni.models import get_family
-
     model = get_family(family)
     fields = model.pipeline_guidance(guidance_scale)
     prompt = {k: fields.pop(k) for k in PROMPT_FIELDS if k in fields}
@@ -95,7 +118,8 @@ def hook_problems(family: str) -> Optional[str]:
 
     version = getattr(vllm_omni, "__version__", "unknown")
     missing = []
-    for qualname, attributes in (HOOKS[family], *ENGINE_HOOKS):
+    native = native_facts(family)
+    for qualname, attributes in ((native.pipeline, native.hooks), *ENGINE_HOOKS):
         try:
             cls = _resolve(qualname)
         except (ImportError, AttributeError) as error:

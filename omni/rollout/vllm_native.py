@@ -1,16 +1,19 @@
 """`rollout.options.backend=native`: vLLM-Omni's own pipeline of the family, with our SDE step.
 
 The `vllm` backend runs a diffusers pipeline of ours inside vLLM-Omni; this backend runs
-vLLM-Omni's own (its `StableDiffusion3Pipeline` for SD3, its `FluxPipeline` for FLUX.1,
-its `QwenImagePipeline` for Qwen-Image: their fused-projection transformers, attention
-backends, text encoders and VAE), so
-rollouts get vLLM-Omni's kernels. `NativeRollout` adds three hooks to such a pipeline, all
-through interfaces vLLM-Omni's pipelines already have, none a copy of their code:
+vLLM-Omni's own pipeline of the family (the one the family names in its facts,
+`ModelFamily.native`, `omni.models.native`: e.g. its `StableDiffusion3Pipeline` for SD3,
+with their fused-projection transformers, attention backends, text encoders and VAE), so
+rollouts get vLLM-Omni's kernels. Nothing here names a family: our class for a family,
+`Native` + vLLM-Omni's class name (`NativeStableDiffusion3Pipeline`), is `NativeRollout` mixed
+into that pipeline, made when vLLM-Omni first asks this module for it. `NativeRollout` adds
+three hooks to such a pipeline, all through interfaces vLLM-Omni's pipelines already have,
+none a copy of their code:
 
 - the scheduler: its denoising loop steps `self.scheduler`; ours (`FlowGRPOScheduler`)
   takes the Flow-GRPO SDE / ODE steps, records the fp32 trajectory and per-step log-probs;
 - the transformer's timestep: a forward pre-hook gives it the fp32 timestep of the
-  scheduler's step, computed as the family's actor computes it (`transformer_timestep`;
+  scheduler's step, computed as the family's actor computes it (`native.timestep`;
   SD3: 1000 sigma; FLUX: sigma, which its transformer multiplies by 1000 itself;
   Qwen-Image: (1000 sigma) / 1000, as its pipeline hands the scheduler's timestep over).
   vLLM-Omni's loops cast the timestep to the model's dtype first (FLUX's and Qwen-Image's
@@ -36,33 +39,33 @@ carries the negative prompt " " and `true_cfg_scale` (the server adds them:
 `omni.rollout.native_support.request_guidance`).
 
 Weights: base weights come as plain state-dict names and load through
-`omni.rollout.native_names` into vLLM-Omni's parameters with their own weight loaders;
-LoRA adapters go through vLLM-Omni's LoRA manager (loaded by path, chosen per request; see
-`omni.rollout.vllm_worker` and `omni.rollout.vllm_server`); where vLLM-Omni renames a
-module (Qwen-Image's `to_out.0`), the adapter's module names are renamed as it loads.
+`omni.rollout.native_names` (the family's `native.fused` and `native.renamed`) into
+vLLM-Omni's parameters with their own weight loaders; LoRA adapters go through vLLM-Omni's
+LoRA manager (loaded by path, chosen per request; see `omni.rollout.vllm_worker` and
+`omni.rollout.vllm_server`); where vLLM-Omni renames a module (Qwen-Image's `to_out.0`),
+the adapter's module names are renamed as it loads.
 
 Imported only in the engine env (it imports vLLM-Omni).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import inspect
 import json
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 from vllm_omni.diffusion.data import DiffusionOutput
-from vllm_omni.diffusion.models.flux.pipeline_flux import FluxPipeline
-from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
-from vllm_omni.diffusion.models.sd3.pipeline_sd3 import StableDiffusion3Pipeline
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
 from omni.models import get_family
 from omni.rollout.base import RolloutBatch, SamplingOptions
-from omni.models.qwen_image import NEGATIVE_PROMPT, pad_to
-from omni.rollout.native_names import FUSED, RENAMED, check_complete, native_module, native_names
-from omni.rollout.native_scheduler import FlowGRPOScheduler, Noise, packed_noise, standard_noise
+from omni.rollout.native_names import check_complete, native_module, native_names
+from omni.rollout.native_scheduler import FlowGRPOScheduler
+from omni.rollout.native_support import native_class_name, native_facts, native_families
 from omni.rollout.transport import LORA_CONFIG_FILE, LORA_FILE, read_weights
 from omni.rollout.vllm_protocol import group_by_options, output_fields, prompt_text
 
@@ -120,9 +123,9 @@ def keep_linear_weights(module: torch.nn.Module) -> None:
 def declare_fused_projections(transformer: torch.nn.Module, family: str) -> None:
     """vLLM-Omni's LoRA manager applies a to_q/to_k/to_v adapter to the fused `to_qkv` by the
     transformer's `stacked_params_mapping`; SD3's `load_weights` sets it, FLUX's keeps it
-    local, so a transformer without one gets the family's fusion rules (`native_names`)."""
+    local, so a transformer without one gets the family's fusion rules (`native.fused`)."""
     if getattr(transformer, "stacked_params_mapping", None) is None:
-        rules = FUSED[family].items()
+        rules = native_facts(family).fused.items()
         transformer.stacked_params_mapping = [(f".{fused}", f".{plain}", shard) for plain, (fused, shard) in rules]
 
 
@@ -131,20 +134,17 @@ class NativeRollout:
     `custom_pipeline_args`: "family" and "load_base" (False: no checkpoint weights for the
     transformer, whose first sync fills it; the text encoders still load theirs).
 
-    A family's class names: `family_name`; `cond_arguments`, the arguments of the pipeline's
-    `diffuse` that make the family's conditioning, in its fields' order; `noise`, how its
-    noise is drawn; and defines `transformer_timestep`."""
+    A family's class (`native_pipeline`) names `family_name`; everything else of the family
+    comes from its facts (`self.native`: conditioning arguments, noise layout, timestep,
+    fused projections, prompt encoding)."""
 
     family_name: str = ""
-    cond_arguments: Tuple[str, ...] = ()
-    noise: Noise = staticmethod(standard_noise)
-    # vLLM-Omni's post-process of the family converts images even with output_type latent
-    post_processes_images: bool = False
 
     def __init__(self, *, od_config, prefix: str = ""):
         super().__init__(od_config=od_config, prefix=prefix)
         args = od_config.custom_pipeline_args or {}
         self.family = get_family(self.family_name)
+        self.native = native_facts(self.family_name)
         self.has_base = bool(args.get("load_base", True))
         if not self.has_base:  # vLLM-Omni's loader reads no transformer weights
             self.weights_sources = [s for s in self.weights_sources if s.prefix != TRANSFORMER_PREFIX]
@@ -182,20 +182,12 @@ class NativeRollout:
         sigmas = self.scheduler.rollout_sigmas(hidden.shape[0], hidden.device) if hidden is not None else None
         if sigmas is None or "timestep" not in kwargs:
             return None
-        return args, {**kwargs, "timestep": self.transformer_timestep(sigmas)}
-
-    def transformer_timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
-        """The transformer's timestep for fp32 noise levels, as the family's actor computes it."""
-        raise NotImplementedError
+        return args, {**kwargs, "timestep": self.native.timestep(sigmas)}
 
     def diffuse(self, *args, **kwargs):
         given = inspect.signature(super().diffuse).bind(*args, **kwargs).arguments
-        self._given = {name: given.get(name) for name in self.cond_arguments}
+        self._given = {name: given.get(name) for name in self.native.cond_arguments}
         return super().diffuse(*args, **kwargs)
-
-    def captured_conditioning(self, given: Dict[str, Any], options: SamplingOptions):
-        """The family's conditioning from the `cond_arguments` `diffuse` was given."""
-        return self.family.conditioning(*given.values())
 
     # ----------------------------------------------------------------- sampling
     def forward(self, req: DiffusionRequestBatch) -> List[DiffusionOutput]:
@@ -208,12 +200,12 @@ class NativeRollout:
             part = req if len(rows) == len(prompts) else DiffusionRequestBatch(requests=[req.requests[i] for i in rows])
             batch = self._rollout(part, [prompts[i] for i in rows], [_seed(params[i]) for i in rows], options)
             for j, i in enumerate(rows):
-                outputs[i] = DiffusionOutput(**output_fields(batch, j, self.post_processes_images))
+                outputs[i] = DiffusionOutput(**output_fields(batch, j, self.native.post_processes_images))
         return outputs
 
     @torch.no_grad()
     def _rollout(self, req, prompts: List[str], seeds: List[int], options: SamplingOptions) -> RolloutBatch:
-        self.scheduler.start_rollout(seeds, options, self.noise)
+        self.scheduler.start_rollout(seeds, options, self.native.noise)
         try:
             super().forward(req)
             final = self.scheduler.final_latents()
@@ -221,16 +213,16 @@ class NativeRollout:
         finally:
             self.scheduler.cancel_rollout()
         images = self.family.decode(self, final, options.resolution).cpu()
-        cond = self.captured_conditioning(self._given, options).apply(lambda t: t.cpu())
+        cond = self.native.conditioning(self.family, self._given, options.max_sequence_length).apply(lambda t: t.cpu())
         return RolloutBatch(prompts, images, trajectory.latents, trajectory.log_probs, trajectory.sigmas, cond, options)
 
     # ----------------------------------------------------------------- LoRA
     def _load_diffusion_lora_adapter(self, lora_request, lora_path: str, dtype):
         """vLLM-Omni's LoRA manager asks its pipeline first (None: its own loader). A family
-        whose modules vLLM-Omni renames (`native_names.RENAMED`) gets the adapter's module
+        whose modules vLLM-Omni renames (its `native.renamed`) gets the adapter's module
         names and target modules renamed, else its adapters on renamed modules would load
         nowhere."""
-        if not RENAMED.get(self.family_name):
+        if not native_facts(self.family_name).renamed:
             return None
         from safetensors.torch import load_file
         from vllm.lora.lora_model import LoRAModel
@@ -242,76 +234,34 @@ class NativeRollout:
         tensors = {native_module(self.family_name, k): v for k, v in load_file(str(Path(lora_path) / LORA_FILE)).items()}
         return LoRAModel.from_lora_tensors(lora_request.lora_int_id, tensors, helper, device="cpu", dtype=dtype), helper
 
-    # ----------------------------------------------------------------- encoding (DPO)
+    # ----------------------------------------------------------------- encoding
+    def encode_prompts(self, prompts, guidance_scale: float, max_sequence_length: int):
+        """The family's conditioning from vLLM-Omni's text encoders (`native.encode_prompts`)."""
+        return self.native.encode_prompts(self, prompts, guidance_scale, max_sequence_length)
+
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         inversion_steps = (self.od_config.custom_pipeline_args or {}).get("vae_inversion_steps", 0)
         return self.family.encode_images(self, images, self.vae.device, inversion_steps)
 
 
-class NativeSD3Pipeline(NativeRollout, StableDiffusion3Pipeline):
-    """vLLM-Omni's SD3 pipeline sampling Flow-GRPO rollouts."""
-
-    family_name = "sd3"
-    cond_arguments = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds")
-
-    def transformer_timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
-        return sigmas * 1000  # SD3's transformer takes t = 1000 sigma
-
-    @torch.no_grad()
-    def encode_prompts(self, prompts, guidance_scale: float, max_sequence_length: int):
-        """The family's conditioning from vLLM-Omni's text encoders (negatives: the empty prompt)."""
-        embeds, pooled = self.encode_prompt(prompt=list(prompts), prompt_2=None, prompt_3=None, max_sequence_length=max_sequence_length)
-        negatives = (None, None)
-        if guidance_scale > 1:
-            negatives = self.encode_prompt(prompt=[""] * len(prompts), prompt_2=None, prompt_3=None, max_sequence_length=max_sequence_length)
-        return self.family.conditioning(embeds, pooled, *negatives).apply(lambda t: t.cpu())
+@functools.lru_cache(maxsize=None)
+def native_pipeline(family: str) -> type:
+    """`NativeRollout` mixed into vLLM-Omni's pipeline of `family` (its `native.pipeline`),
+    named `native_class_name(family)` in this module, so vLLM-Omni and pickle find it by name."""
+    module, _, name = native_facts(family).pipeline.rpartition(".")
+    base = getattr(importlib.import_module(module), name)
+    qualname = native_class_name(family)
+    doc = f"vLLM-Omni's {name} sampling Flow-GRPO rollouts."
+    return type(qualname, (NativeRollout, base), {"family_name": family, "__module__": __name__, "__qualname__": qualname, "__doc__": doc})
 
 
-class NativeFluxPipeline(NativeRollout, FluxPipeline):
-    """vLLM-Omni's FLUX.1 pipeline (dev's distilled guidance, or schnell's none) sampling
-    Flow-GRPO rollouts."""
-
-    family_name = "flux"
-    cond_arguments = ("prompt_embeds", "pooled_prompt_embeds")
-    noise = staticmethod(packed_noise)
-
-    def transformer_timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
-        return sigmas  # FLUX's transformer takes sigma (and multiplies it by 1000 itself)
-
-    @torch.no_grad()
-    def encode_prompts(self, prompts, guidance_scale: float, max_sequence_length: int):
-        """T5's sequence and CLIP's pooled embedding from vLLM-Omni's encoders (FLUX has no negative prompt)."""
-        embeds, pooled, _ = self.encode_prompt(prompt=list(prompts), prompt_2=None, max_sequence_length=max_sequence_length)
-        return self.family.conditioning(embeds, pooled).apply(lambda t: t.cpu())
-
-
-class NativeQwenImagePipeline(NativeRollout, QwenImagePipeline):
-    """vLLM-Omni's Qwen-Image pipeline (true CFG on the negative prompt " ") sampling
-    Flow-GRPO rollouts."""
-
-    family_name = "qwen_image"
-    cond_arguments = ("prompt_embeds", "prompt_embeds_mask", "negative_prompt_embeds", "negative_prompt_embeds_mask")
-    noise = staticmethod(packed_noise)
-    post_processes_images = True  # its post-process makes PIL images of the payload
-
-    def transformer_timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
-        return sigmas * 1000 / 1000  # the scheduler's timestep, divided as the pipeline does
-
-    def captured_conditioning(self, given: Dict[str, Any], options: SamplingOptions):
-        """Each prompt's embeddings and mask padded to `max_sequence_length` (vLLM-Omni pads
-        a batch to its longest prompt), so rows of other batches stack."""
-        length = options.max_sequence_length
-        embeds, mask, neg, neg_mask = given.values()
-        negatives = pad_to(neg, neg_mask, length) if neg is not None else (None, None)
-        return self.family.conditioning(*pad_to(embeds, mask, length), *negatives)
-
-    @torch.no_grad()
-    def encode_prompts(self, prompts, guidance_scale: float, max_sequence_length: int):
-        """The prompts' (and under true CFG the negative prompt's) embeddings and masks from
-        vLLM-Omni's text encoder, padded to `max_sequence_length`, as our family encodes them."""
-        padded = lambda texts: pad_to(*self.encode_prompt(prompt=texts, max_sequence_length=max_sequence_length), max_sequence_length)  # noqa: E731
-        negatives = padded([NEGATIVE_PROMPT] * len(prompts)) if guidance_scale > 1 else (None, None)
-        return self.family.conditioning(*padded(list(prompts)), *negatives).apply(lambda t: t.cpu())
+def __getattr__(name: str) -> type:
+    """Our pipeline class of a family, by its name (vLLM-Omni imports it by qualified name:
+    `omni.rollout.native_support.native_pipeline_class`)."""
+    for family in native_families():
+        if native_class_name(family) == name:
+            return native_pipeline(family)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _refuse_transformer(weights: Iterable) -> Iterable:

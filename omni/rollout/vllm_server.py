@@ -97,11 +97,11 @@ def pipeline_class(backend: str, family: str) -> str:
     """The pipeline vLLM-Omni runs: ours (backend vllm) or its own with our hooks (native)."""
     if backend != "native":
         return PIPELINE_CLASS
-    from omni.rollout.native_support import NATIVE_PIPELINE_CLASSES
+    from omni.rollout.native_support import native_families, native_pipeline_class
 
-    if family not in NATIVE_PIPELINE_CLASSES:
-        raise ValueError(f"--backend native: no native pipeline for family {family}; supported: {sorted(NATIVE_PIPELINE_CLASSES)}")
-    return NATIVE_PIPELINE_CLASSES[family]
+    if family not in native_families():
+        raise ValueError(f"--backend native: no native pipeline for family {family}; supported: {native_families()}")
+    return native_pipeline_class(family)
 
 
 def engine_kwargs(args) -> Dict[str, Any]:

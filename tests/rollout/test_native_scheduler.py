@@ -8,7 +8,8 @@ import torch
 
 from omni.models.flux import FAMILY as FLUX
 from omni.models.qwen_image import FAMILY as QWEN
-from omni.rollout.native_scheduler import FlowGRPOScheduler, packed_noise, standard_noise
+from omni.models.native import unpacked_step_noise
+from omni.rollout.native_scheduler import FlowGRPOScheduler
 from tests.rollout.conftest import actor_log_probs, options
 
 PROMPTS = ["a red cat", "a blue dog", "a green tree"]
@@ -16,7 +17,7 @@ SEEDS = [5, 6, 7]
 CASES = {"flow_grpo": options(), "cfg_window": options(guidance_scale=3.0, sde_steps=(1, 3)), "cps": options(sde_type="cps", sde_steps=(0, 3))}
 
 
-def sample_with_pipeline_loop(engine, opts, noise=standard_noise, **call):
+def sample_with_pipeline_loop(engine, opts, noise=unpacked_step_noise, **call):
     """diffusers' own denoising loop, our scheduler doing the steps."""
     pipe = engine.pipe
     original = pipe.scheduler
@@ -49,18 +50,18 @@ def test_scheduler_in_a_foreign_loop_samples_what_the_engine_samples(case, diffu
 
 def test_flux_packed_latents_and_distilled_guidance(flux_engine):
     """FLUX.1-dev: packed latents, the resolution-shifted schedule, the guidance embedding;
-    the scheduler's noise drawn unpacked and packed, as the engine's is (a draw in the packed
-    layout is other noise: the negative control)."""
+    the scheduler's noise drawn as the family states (`native.noise`: unpacked, then packed),
+    as the engine's is (a draw in the packed layout is other noise: the negative control)."""
     opts = options(guidance_scale=3.5, sde_steps=(1, 3))
     expected = flux_engine.generate(PROMPTS, SEEDS, opts)
-    got = sample_with_pipeline_loop(flux_engine, opts, packed_noise)
+    got = sample_with_pipeline_loop(flux_engine, opts, FLUX.native.noise)
     assert got.latents.shape == expected.latents.shape and got.latents.ndim == 4  # (B, T + 1, tokens, 64)
     assert torch.equal(got.sigmas, expected.sigmas)
     assert (got.latents - expected.latents).abs().max() <= 1e-5
     assert (got.log_probs - expected.log_probs).abs().max() <= 1e-5
     rescored = actor_log_probs(flux_engine.transformer, expected.cond, opts, got.latents, got.sigmas, FLUX)
     assert (rescored - got.log_probs).abs().max() <= 1e-5
-    unpacked_order = sample_with_pipeline_loop(flux_engine, opts, standard_noise)
+    unpacked_order = sample_with_pipeline_loop(flux_engine, opts, unpacked_step_noise)
     assert (unpacked_order.latents[:, 2:] - expected.latents[:, 2:]).abs().max() > 1e-2
 
 
@@ -69,7 +70,7 @@ def test_qwen_image_true_cfg_in_its_own_loop(qwen_engine):
     diffusers' QwenImagePipeline loop (vLLM-Omni's has the same hook points)."""
     opts = options(guidance_scale=3.0, sde_steps=(1, 3))
     expected = qwen_engine.generate(PROMPTS, SEEDS, opts)
-    got = sample_with_pipeline_loop(qwen_engine, opts, packed_noise, **QWEN.pipeline_guidance(opts.guidance_scale))
+    got = sample_with_pipeline_loop(qwen_engine, opts, QWEN.native.noise, **QWEN.pipeline_guidance(opts.guidance_scale))
     assert torch.equal(got.sigmas, expected.sigmas)
     assert (got.latents - expected.latents).abs().max() <= 1e-5
     assert (got.log_probs - expected.log_probs).abs().max() <= 1e-5

@@ -1,9 +1,23 @@
-"""What the native backend's requests carry for each family's guidance: vLLM-Omni's
+"""Which families the native backend serves (those that state their facts,
+`ModelFamily.native`), and what its requests carry for each family's guidance: vLLM-Omni's
 Qwen-Image runs true CFG only for a request with a negative prompt, at the request's
 `true_cfg_scale` (its real pipeline reads them: tests/rollout/test_vllm_native_contract.py)."""
 
+import pytest
+
 from omni.models.qwen_image import NEGATIVE_PROMPT
-from omni.rollout.native_support import request_guidance
+from omni.rollout.native_support import family_problem, native_facts, native_families, native_pipeline_class, request_guidance
+
+
+def test_the_served_families_are_those_that_state_their_facts():
+    assert native_families() == ["flux", "qwen_image", "sd3"]
+    assert native_pipeline_class("sd3") == "omni.rollout.vllm_native.NativeStableDiffusion3Pipeline"
+    assert native_pipeline_class("qwen_image") == "omni.rollout.vllm_native.NativeQwenImagePipeline"
+    assert all(family_problem(f) is None for f in native_families())
+    assert "vLLM-Omni has a WanPipeline but omni-recipes does not extend it yet" in family_problem("wan")
+    assert "or use rollout.options.backend=vllm" in family_problem("no_such_family")
+    with pytest.raises(KeyError, match="model.family=wan"):
+        native_facts("wan")
 
 
 def test_qwen_image_requests_carry_the_negative_prompt_and_scale_under_cfg():

@@ -1,0 +1,92 @@
+"""What a model family tells `rollout.options.backend=native`: vLLM-Omni's own pipeline of
+the family, extended with our scheduler (`omni.rollout.vllm_native`).
+
+A family that the native backend serves sets `ModelFamily.native` to an instance of a
+`NativePipeline` subclass written in its own module; nothing under `omni/rollout/` names a
+family. Its facts:
+
+- `pipeline`: vLLM-Omni's pipeline class of the family, by qualified name, and `hooks`, the
+  attributes of it the native backend uses (checked in the engine env before any model loads);
+- `fused` and `renamed`: where vLLM-Omni's transformer fuses projections into one parallel
+  linear layer (to_q/to_k/to_v -> the shards q/k/v of to_qkv, add_q/k/v_proj -> add_kv_proj)
+  and renames module path parts (Qwen-Image's `to_out.0` -> `to_out`), so base weights and LoRA
+  adapters in diffusers' names reach vLLM-Omni's parameters (`omni.rollout.native_names`);
+- `timestep`: the transformer's timestep for the scheduler's fp32 noise levels, computed as the
+  family's actor computes it (vLLM-Omni's loop would hand over a timestep cast to the model's
+  dtype, which in bf16 rounds t = 1000 sigma by up to 2);
+- `cond_arguments` and `conditioning`: the arguments of the pipeline's `diffuse` that make the
+  family's conditioning, in its fields' order, and the conditioning made of them; and
+  `encode_prompts`, the family's conditioning from vLLM-Omni's own text encoders;
+- `noise`: the step noise's layout (a packed family draws it unpacked and packs it, as its
+  initial latent), so the scheduler draws what the in-process sampler draws;
+- `post_processes_images`: vLLM-Omni's post-process of the family converts images even with
+  output_type latent.
+
+No vLLM import here: the facts are plain data and functions, tested without the engine env.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from omni.models.packing import pack, unpack
+
+# {plain module leaf: (vLLM-Omni's module leaf, shard)}: SD3's, FLUX's and Qwen-Image's fusion
+QKV_FUSED: Dict[str, Tuple[str, str]] = {
+    "to_q": ("to_qkv", "q"),
+    "to_k": ("to_qkv", "k"),
+    "to_v": ("to_qkv", "v"),
+    "add_q_proj": ("add_kv_proj", "q"),
+    "add_k_proj": ("add_kv_proj", "k"),
+    "add_v_proj": ("add_kv_proj", "v"),
+}
+# what the native backend calls on vLLM-Omni's pipeline: its denoising loop's scheduler step,
+# `diffuse` and `forward` (extended), the transformer's `load_weights` (which declares the fused
+# projections) and the text encoding
+PIPELINE_HOOKS = ("diffuse", "forward", "scheduler_step", "prepare_timesteps", "load_weights", "encode_prompt")
+
+
+def unpacked_step_noise(generators: Sequence[torch.Generator], like: torch.Tensor) -> torch.Tensor:
+    """One standard normal latent of `like`'s shape per generator (an unpacked family's noise)."""
+    return torch.stack([torch.randn(like.shape[1:], generator=g) for g in generators])
+
+
+def packed_step_noise(generators: Sequence[torch.Generator], like: torch.Tensor) -> torch.Tensor:
+    """A packed family's noise (FLUX, Qwen-Image: (B, tokens, 4C), one token per 2x2 patch):
+    drawn unpacked, (C, 2h, 2w) per image, then packed, as its initial latent is drawn."""
+    return pack(unpacked_step_noise(generators, unpack(like)))
+
+
+class NativePipeline:
+    """One family's facts for the native backend; a family subclasses it in its own module."""
+
+    pipeline: str = ""  # vLLM-Omni's pipeline class, by qualified name
+    # False: vLLM-Omni has the pipeline, but the native backend does not extend it yet
+    extended: bool = True
+    hooks: Tuple[str, ...] = PIPELINE_HOOKS
+    fused: Dict[str, Tuple[str, str]] = QKV_FUSED
+    # ((plain module path part, vLLM-Omni's), ...)
+    renamed: Tuple[Tuple[str, str], ...] = ()
+    cond_arguments: Tuple[str, ...] = ()
+    post_processes_images: bool = False
+    noise = staticmethod(unpacked_step_noise)
+
+    @property
+    def class_name(self) -> str:
+        """vLLM-Omni's pipeline class's own name (`StableDiffusion3Pipeline`)."""
+        return self.pipeline.rpartition(".")[2]
+
+    def timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """The transformer's timestep for fp32 noise levels, as the family's actor computes it."""
+        raise NotImplementedError(f"{type(self).__name__} states no transformer timestep")
+
+    def conditioning(self, family, given: Dict[str, Optional[torch.Tensor]], max_sequence_length: int):
+        """The family's conditioning from the `cond_arguments` `diffuse` was given."""
+        return family.conditioning(*given.values())
+
+    def encode_prompts(self, pipe: Any, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int):
+        """The family's conditioning (on the CPU) from vLLM-Omni's text encoders of `pipe`,
+        our extension of its pipeline (`pipe.family`: the family)."""
+        raise NotImplementedError(f"{type(self).__name__} encodes no prompts")
