@@ -1,7 +1,9 @@
 """The in-process rollout engine: a model family's diffusers pipeline sampled with SDE log-probs.
 
 The sampling itself is `omni.rollout.sampling.sample_rollout`, shared with the vLLM-Omni
-engine's pipeline, so both engines give the same trajectories for the same weights.
+engine's pipeline (`rollout.options.backend=vllm`; the `native` backend's scheduler takes the
+same step, `sampling.rollout_step`), so the engines give the same trajectories for the same
+weights.
 
 The engine either holds its own copy of the transformer, updated by weight syncs, or
 samples with the actor's own transformer (`rollout.share_actor`): then one copy lives on
