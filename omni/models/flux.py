@@ -132,7 +132,9 @@ class FluxNative(NativePipeline):
     @torch.no_grad()
     def encode_prompts(self, pipe, prompts, guidance_scale: float, max_sequence_length: int):
         """T5's sequence and CLIP's pooled embedding from vLLM-Omni's encoders (no negative prompt)."""
-        embeds, pooled, _ = pipe.encode_prompt(prompt=list(prompts), prompt_2=None, max_sequence_length=max_sequence_length)
+        embeds, pooled, _ = pipe.encode_prompt(
+            prompt=list(prompts), prompt_2=None, max_sequence_length=max_sequence_length
+        )
         return pipe.family.conditioning(embeds, pooled).apply(lambda t: t.cpu())
 
 

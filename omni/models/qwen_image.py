@@ -275,7 +275,8 @@ class QwenImageNative(NativePipeline):
         vLLM-Omni's text encoder, padded to `max_sequence_length`, as the family encodes them."""
 
         def padded(texts):
-            return pad_to(*pipe.encode_prompt(prompt=texts, max_sequence_length=max_sequence_length), max_sequence_length)
+            encoded = pipe.encode_prompt(prompt=texts, max_sequence_length=max_sequence_length)
+            return pad_to(*encoded, max_sequence_length)
 
         negatives = padded([NEGATIVE_PROMPT] * len(prompts)) if guidance_scale > 1 else (None, None)
         return pipe.family.conditioning(*padded(list(prompts)), *negatives).apply(lambda t: t.cpu())

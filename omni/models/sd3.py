@@ -109,7 +109,9 @@ class SD3Native(NativePipeline):
     """vLLM-Omni's SD3 pipeline under `rollout.options.backend=native`."""
 
     pipeline = "vllm_omni.diffusion.models.sd3.pipeline_sd3.StableDiffusion3Pipeline"
-    cond_arguments = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds")
+    cond_arguments = (
+        "prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds"
+    )
 
     def timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
         return sigmas * 1000  # SD3's transformer takes t = 1000 sigma
@@ -117,10 +119,13 @@ class SD3Native(NativePipeline):
     @torch.no_grad()
     def encode_prompts(self, pipe, prompts, guidance_scale: float, max_sequence_length: int):
         """From vLLM-Omni's text encoders (negatives: the empty prompt)."""
-        embeds, pooled = pipe.encode_prompt(prompt=list(prompts), prompt_2=None, prompt_3=None, max_sequence_length=max_sequence_length)
-        negatives = (None, None)
-        if guidance_scale > 1:
-            negatives = pipe.encode_prompt(prompt=[""] * len(prompts), prompt_2=None, prompt_3=None, max_sequence_length=max_sequence_length)
+        def encode(texts):
+            return pipe.encode_prompt(
+                prompt=texts, prompt_2=None, prompt_3=None, max_sequence_length=max_sequence_length
+            )
+
+        embeds, pooled = encode(list(prompts))
+        negatives = encode([""] * len(prompts)) if guidance_scale > 1 else (None, None)
         return pipe.family.conditioning(embeds, pooled, *negatives).apply(lambda t: t.cpu())
 
 

@@ -110,7 +110,8 @@ class FlowGRPOScheduler(FlowMatchEulerDiscreteScheduler):
             run.draw(run.x)  # the initial latent's draw: the step noise comes after it
             run.trajectory.append(run.x)
         sigmas = self.sigmas.float().cpu()
-        run.x, log_prob = rollout_step(model_output.float(), run.x, sigmas, i, options, run.ode, lambda: run.draw(run.x))
+        velocity = model_output.float()
+        run.x, log_prob = rollout_step(velocity, run.x, sigmas, i, options, run.ode, lambda: run.draw(run.x))
         run.trajectory.append(run.x)
         run.log_probs.append(log_prob)
         run.index += 1

@@ -67,7 +67,8 @@ def native_pipeline_class(family: str) -> str:
 
 
 def supported() -> str:
-    return f"supported: model.family in {native_families()} with vLLM-Omni {', '.join(v + '.x' for v in TESTED_VERSIONS)}"
+    versions = ", ".join(v + ".x" for v in TESTED_VERSIONS)
+    return f"supported: model.family in {native_families()} with vLLM-Omni {versions}"
 
 
 def family_problem(family: str) -> Optional[str]:

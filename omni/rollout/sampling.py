@@ -101,8 +101,9 @@ def rollout_step(
     start, stop = options.sde_steps
     if start <= i < stop and is_noisy_step(options.sde_type, sigmas[i + 1]):
         x, log_prob, _, _ = sde_step(
-            velocity, x, sigmas[i], sigmas[i + 1], float(sigmas[1]), options.noise_level, noise=draw(), sde_type=options.sde_type
-        )
+            velocity, x, sigmas[i], sigmas[i + 1], float(sigmas[1]), options.noise_level,
+            noise=draw(), sde_type=options.sde_type,
+        )  # fmt: skip
         ode.reset()
         return x, log_prob
     return ode.step(velocity, x, sigmas[i], sigmas[i + 1]), torch.zeros(len(x), device=x.device)

@@ -252,7 +252,8 @@ def native_pipeline(family: str) -> type:
     base = getattr(importlib.import_module(module), name)
     qualname = native_class_name(family)
     doc = f"vLLM-Omni's {name} sampling Flow-GRPO rollouts."
-    return type(qualname, (NativeRollout, base), {"family_name": family, "__module__": __name__, "__qualname__": qualname, "__doc__": doc})
+    namespace = {"family_name": family, "__module__": __name__, "__qualname__": qualname, "__doc__": doc}
+    return type(qualname, (NativeRollout, base), namespace)
 
 
 def __getattr__(name: str) -> type:

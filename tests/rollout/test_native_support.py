@@ -6,7 +6,13 @@ Qwen-Image runs true CFG only for a request with a negative prompt, at the reque
 import pytest
 
 from omni.models.qwen_image import NEGATIVE_PROMPT
-from omni.rollout.native_support import family_problem, native_facts, native_families, native_pipeline_class, request_guidance
+from omni.rollout.native_support import (
+    family_problem,
+    native_facts,
+    native_families,
+    native_pipeline_class,
+    request_guidance,
+)
 
 
 def test_the_served_families_are_those_that_state_their_facts():
