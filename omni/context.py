@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from omni.rewards.streaming import StreamedScores
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.sde import noisy_steps, sde_window
+
+if TYPE_CHECKING:
+    from omni.workers.protocol import ActorRollout
 
 
 def step_seeds(seed: int, step: int, n: int) -> List[int]:
@@ -40,7 +43,7 @@ class StepContext:
     train_prompts: List[str]
     eval_prompts: List[str]
     reward: Any  # omni.rewards.WeightedReward
-    worker: Any = None  # set once built: ActorRolloutWorker or ActorRolloutGroup
+    worker: Optional[ActorRollout] = None  # set once built: ActorRolloutWorker or ActorRolloutGroup
     logger: Any = None  # omni.loggers.MetricsLogger
 
     def sampling_options(self, sde_steps: Tuple[int, int] = (0, 0)) -> SamplingOptions:

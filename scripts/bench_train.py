@@ -149,7 +149,7 @@ def bench_rollout(trainer: Trainer, n_images: int, repeats: int) -> dict:
 def bench_update(trainer: Trainer, repeats: int) -> dict:
     options = trainer.ctx.sampling_options(trainer.ctx.sde_window(0))
     batch = flow_grpo.GRPOBatch(trainer.worker.generate(["a red cat"] * 8, list(range(8)), options), torch.linspace(-1, 1, 8))
-    seconds = best_time(lambda: trainer.worker.train(flow_grpo.update, batch, seed=0), repeats)
+    seconds = best_time(lambda: trainer.worker.apply_update(flow_grpo.update, batch, seed=0), repeats)
     transitions = len(batch) * options.num_steps * trainer.cfg.algorithm.num_inner_epochs
     return {"transitions_per_s": transitions / seconds, "samples_per_s": len(batch) / seconds}
 

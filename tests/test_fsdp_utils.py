@@ -450,7 +450,7 @@ def _wan_worker_cell(wan_dir: str, run_dir: str):
     try:
         prompts, seeds, options = ["a red cat", "a blue dog"] * 2, list(range(4)), training_options(cfg, 0)
         batch = worker.generate(prompts, seeds, options)
-        worker.train(flow_grpo.update, flow_grpo.GRPOBatch(batch, torch.tensor([1.0, -1.0, 0.5, -0.5])), seed=0)
+        worker.apply_update(flow_grpo.update, flow_grpo.GRPOBatch(batch, torch.tensor([1.0, -1.0, 0.5, -0.5])), seed=0)
         stale, stale_engine, _ = rescore(worker, batch, with_reference=False)
         worker.sync_weights()
         actor, engine, _ = rescore(worker, worker.generate(prompts, seeds, options), with_reference=False)

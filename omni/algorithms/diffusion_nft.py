@@ -196,7 +196,7 @@ class DiffusionNFT(Algorithm):
         cond = rollout.batch.cond.apply(lambda t: t[keep])
         batch = NFTBatch(rollout.batch.latents[keep, -1], cond, r[keep], rollout.batch.options.guidance_scale)
         tick = time.perf_counter()
-        metrics = worker.train(update, batch, update_seed(self.cfg.seed, step))
+        metrics = worker.apply_update(update, batch, update_seed(self.cfg.seed, step))
         timings = {**rollout.timings, "time/update": time.perf_counter() - tick}
         timings["time/sync"] = worker.sync_weights()["sync/seconds"]
         return {**rollout.reward_metrics(), **{f"train/{k}": v for k, v in metrics.items()}, **timings}

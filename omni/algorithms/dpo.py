@@ -284,7 +284,7 @@ class OfflineDPO(Algorithm):
         if pairs is None:
             raise ValueError(f"no pair of training step {step + 1} could be decoded (data.pairs={cfg.data.pairs})")
         data_s, tick = time.perf_counter() - tick, time.perf_counter()
-        metrics = worker.train(update, pairs, update_seed(cfg.seed, step))
+        metrics = worker.apply_update(update, pairs, update_seed(cfg.seed, step))
         timings = {"time/data": data_s, "time/update": time.perf_counter() - tick, "time/sync": worker.sync_weights()["sync/seconds"]}
         return {**{f"train/{k}": v for k, v in metrics.items()}, **timings, **self.data_stats}
 
@@ -300,7 +300,7 @@ class OfflineDPO(Algorithm):
         for chunk, pairs in enumerate(batches):
             if pairs is not None:  # the first chunk draws the noise a single batch did
                 seed = self.cfg.trainer.eval_seed + chunk * 1_000_000_007
-                parts.append((len(pairs), self.ctx.worker.evaluate(evaluate, pairs, seed)))
+                parts.append((len(pairs), self.ctx.worker.evaluate_batch(evaluate, pairs, seed)))
         if not parts:  # every held-out pair was unreadable (and skipped)
             return {}
         metrics = mean_over_chunks(parts)

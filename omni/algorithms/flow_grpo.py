@@ -306,7 +306,7 @@ class FlowGRPO(Algorithm):
         advantages = masked_group_advantages(rollout.scores["reward"], rollout.valid, algo.group_size, algo.adv_norm)
         advantages = clip_advantages(advantages, algo.adv_clip_max)
         tick = time.perf_counter()
-        metrics = worker.train(self.update, GRPOBatch(rollout.batch, advantages), update_seed(self.cfg.seed, step))
+        metrics = worker.apply_update(self.update, GRPOBatch(rollout.batch, advantages), update_seed(self.cfg.seed, step))
         timings = {**rollout.timings, "time/update": time.perf_counter() - tick}
         timings["time/sync"] = worker.sync_weights()["sync/seconds"]
         return {**rollout.reward_metrics(), **{f"train/{k}": v for k, v in metrics.items()}, **timings}
