@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from omni.algorithms.base import Algorithm
+from omni import seeding
 from omni.algorithms.dpo_pairs import EVAL_CHUNK, PairBatch, PairData, split_digest
 from omni.config.algorithm import SigmaSampling
 from omni.config.errors import require
@@ -299,7 +300,7 @@ class OfflineDPO(Algorithm):
         )
         for chunk, pairs in enumerate(batches):
             if pairs is not None:  # the first chunk draws the noise a single batch did
-                seed = self.cfg.trainer.eval_seed + chunk * 1_000_000_007
+                seed = seeding.derive_seed(chunk, self.cfg.trainer.eval_seed, seeding.EVAL_CHUNK)
                 parts.append((len(pairs), self.ctx.worker.evaluate_batch(evaluate, pairs, seed)))
         if not parts:  # every held-out pair was unreadable (and skipped)
             return {}
