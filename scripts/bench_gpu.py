@@ -62,7 +62,7 @@ from importlib import resources
 import torch
 
 from omni.config.model import LoraConfig
-from omni.devices import disable_cudnn_attention
+from omni.devices import DTYPES, disable_cudnn_attention
 from omni.fsdp_utils import collect_lora_params
 from omni.memory import arch_config, count, estimate
 from omni.models import get_family
@@ -70,7 +70,6 @@ from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.sampling import rescore_log_probs, sample_trajectories
 from omni.weights import add_lora_adapter, is_lora_name
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 FAMILIES = ("sd3", "flux")  # image families whose diffusers pipeline takes prompt embeddings
 DEFAULT_ARCHS = ["sd3.5-medium", "flux.1-dev"]
 # Guidance and T5 tokens of each published architecture as its pipeline runs it: the SD3.5

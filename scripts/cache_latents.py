@@ -36,7 +36,7 @@ def main(argv=None) -> None:
     from omni.distributed import pick_device
     from omni.models import get_family
     from omni.rollout.diffusers_engine import load_diffusers_engine
-    from omni.workers.actor_rollout import torch_dtype
+    from omni.devices import torch_dtype
 
     cfg = run_config(sys.argv[1:] if argv is None else argv)
     data = PairData(cfg)  # scans the pairs, or checks a complete cache against this run

@@ -28,13 +28,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import warnings
 from datetime import timedelta
 
 import pytest
 import torch
 from torch import nn
+
+from omni.distributed import free_port
 
 WORLD = 2
 WORLD4 = 4  # HSDP (2 x 2 mesh) and partial post-forward resharding need 4 ranks
@@ -803,12 +804,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str, wan_dir: str) -> Non
 # ---------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # What every worker imports, imported once by the forkserver that forks them (instead of
 # in each spawned process: peft alone takes seconds, 4 processes share 2 cores here).
 _WORKER_PRELOAD = [
@@ -826,7 +821,7 @@ def _run_group(world: int, out_dir, wan_dir) -> list[dict]:
     multiprocessing.get_context("forkserver").set_forkserver_preload(_WORKER_PRELOAD)
     try:
         torch.multiprocessing.start_processes(
-            _worker, args=(world, _free_port(), str(out_dir), str(wan_dir)), nprocs=world, start_method="forkserver", join=True
+            _worker, args=(world, free_port(), str(out_dir), str(wan_dir)), nprocs=world, start_method="forkserver", join=True
         )
     finally:
         if saved is None:

@@ -24,20 +24,15 @@ from typing import Callable, Dict, Optional, Sequence
 import torch
 
 from omni.config.rollout import shares_actor
+from omni.devices import torch_dtype
 from omni.distributed import destroy_process_group, init_process_group, pick_device
-from omni.fsdp_utils import collect_lora_params
+from omni.fsdp_utils import collect_lora_params, state_nbytes
 from omni.models import get_family
 from omni.models.base import Conditioning
 from omni.rollout import build_engine
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.weights import add_lora_adapter, module_lora_names
 from omni.workers.sharding import average_gradients, clip_grad_norm, wrap_fsdp
-
-
-def torch_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 @contextlib.contextmanager
@@ -123,7 +118,7 @@ class ActorRolloutWorker:
                 layer_prefixes=tuple(self.cfg.model.fsdp.layer_prefixes),
             )
             self.engine.update_weights(tensors, base_sync_done=base_sync_done, lora=self.lora_cfg)
-            sent += sum(t.numel() * t.element_size() for t in tensors.values())
+            sent += state_nbytes(tensors)
         return {"sync/seconds": time.perf_counter() - start, "sync/megabytes": sent / 2**20}
 
     def _sync_kinds(self) -> Sequence[bool]:
