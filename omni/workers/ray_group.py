@@ -22,7 +22,7 @@ import ray
 import torch
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, Execute, register
-from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup, SubRayResourcePool
 
 from omni.models.base import Conditioning
 from omni.rollout.base import RolloutBatch, SamplingOptions
@@ -128,8 +128,13 @@ class ActorRolloutGroup:
             raise
 
     def _start_workers(self, layout: ray_cluster.WorkerLayout, model_path: str) -> RayWorkerGroup:
-        pool = RayResourcePool(process_on_nodes=layout.workers_per_node, use_gpu=layout.use_gpu, max_colocate_count=1)
-        pool.pgs = self.placement_groups  # reserved with a timeout: verl's own wait has none
+        # the placement groups reserved with a timeout (verl's own wait has none), handed in
+        # through the constructor verl offers for placement groups that already exist
+        pool = SubRayResourcePool(
+            placement_groups=self.placement_groups, start_bundle_index=0,
+            subgroup_world_size=sum(layout.workers_per_node),
+            process_on_nodes=layout.workers_per_node, use_gpu=layout.use_gpu, max_colocate_count=1,
+        )  # fmt: skip
         cfg = copy.deepcopy(self.cfg)
         if not layout.use_gpu:
             cfg.trainer.device = "cpu"  # "auto" must not pick a GPU that Ray did not reserve
