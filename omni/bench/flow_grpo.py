@@ -70,7 +70,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SETTINGS = {
     "prompts_per_step": 2, "images_per_prompt": 4, "denoising_steps": 10, "resolution": 64, "guidance_scale": 4.5,
     "noise_level": 0.7, "minibatches": 2, "clip_range": 1e-4, "lr": 3e-4, "lora_rank": 32, "lora_alpha": 64,
