@@ -34,9 +34,8 @@ import time
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
-from omni.config import CONF_DIR, register_configs
+from omni.composing import compose_train
 from omni.config.validate import validate
 from omni.algorithms import flow_grpo
 from omni.context import step_seeds
@@ -44,7 +43,6 @@ from omni.rewards.base import Reward, RewardOptions
 from omni.rewards.brightness import brightness
 from omni.trainer import Trainer
 
-CONF = str(CONF_DIR)
 
 
 def fastest(fn, repeats: int):
@@ -77,9 +75,7 @@ def best_times_interleaved(fns, repeats: int) -> list:
 
 
 def make_trainer(out_dir: str, *overrides: str) -> Trainer:
-    register_configs()
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose("train", overrides=[f"output_dir={out_dir}", "trainer.progress_bar=false", *overrides])
+    cfg = compose_train([f"output_dir={out_dir}", "trainer.progress_bar=false", *overrides])
     trainer = Trainer(validate(cfg))
     trainer.setup()
     return trainer

@@ -18,17 +18,10 @@ from pathlib import Path
 
 
 def run_config(overrides):
-    from hydra import compose, initialize_config_dir
-
-    from omni.config import register_configs
+    from omni.composing import compose_train
     from omni.config.validate import validate
 
-    register_configs()
-    from omni.config import CONF_DIR
-
-    conf = str(CONF_DIR)
-    with initialize_config_dir(config_dir=conf, version_base="1.3"):
-        return validate(compose("train", overrides=["output_dir=/tmp/cache-latents", *overrides]))
+    return validate(compose_train(["output_dir=/tmp/cache-latents", *overrides]))
 
 
 def main(argv=None) -> None:

@@ -46,17 +46,9 @@ def parse_size(text: str):
 
 
 def run_config(overrides):
-    from hydra import compose, initialize_config_dir
+    from omni.composing import compose_train
 
-    from omni.config import register_configs
-
-    register_configs()
-    from omni.config import CONF_DIR
-
-    conf = str(CONF_DIR)
-    with initialize_config_dir(config_dir=conf, version_base="1.3"):
-        cfg = compose("train", overrides=["output_dir=/tmp/estimate", *overrides])
-    return cfg
+    return compose_train(["output_dir=/tmp/estimate", *overrides])
 
 
 def main(argv=None) -> None:
