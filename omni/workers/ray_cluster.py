@@ -99,8 +99,8 @@ def check_resources(trainer: Any, layout: WorkerLayout) -> None:
 
 def reserve(layout: WorkerLayout, timeout_s: float) -> list:
     """One placement group per node, ready within `timeout_s`, or ResourcesUnavailable;
-    ordered by their node's address, so that ranks land on the same nodes run after run
-    (a resumed run finds each rank's files where it left them)."""
+    ordered by their node's address, as verl orders the groups it makes itself, so that
+    ranks map to the nodes in the same order run after run."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
