@@ -9,24 +9,28 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from omni import seeding
 from omni.rewards.streaming import StreamedScores
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.sde import noisy_steps, sde_window
 
+if TYPE_CHECKING:
+    from omni.workers.protocol import ActorRollout
+
 
 def step_seeds(seed: int, step: int, n: int) -> List[int]:
     """`n` image seeds of training step `step` (or of the evaluation, with its own seed)."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    generator = seeding.seeded_generator(seed, step, seeding.STEP_IMAGES)
     return torch.randint(0, 2**31 - 1, (n,), generator=generator).tolist()
 
 
 def update_seed(seed: int, step: int) -> int:
     """The seed of step `step`'s update (minibatch shuffles, DPO noise)."""
-    return seed * 15_485_863 + step
+    return seeding.derive_seed(seed, step, seeding.UPDATE)
 
 
 def means(scores: Dict[str, torch.Tensor], prefix: str) -> Dict[str, float]:
@@ -40,7 +44,7 @@ class StepContext:
     train_prompts: List[str]
     eval_prompts: List[str]
     reward: Any  # omni.rewards.WeightedReward
-    worker: Any = None  # set once built: ActorRolloutWorker or ActorRolloutGroup
+    worker: Optional[ActorRollout] = None  # set once built: ActorRolloutWorker or ActorRolloutGroup
     logger: Any = None  # omni.loggers.MetricsLogger
 
     def sampling_options(self, sde_steps: Tuple[int, int] = (0, 0)) -> SamplingOptions:
@@ -91,7 +95,7 @@ class StepContext:
     def sde_window(self, step: int, size: int = 0, allowed: Optional[Sequence[int]] = None) -> Tuple[int, int]:
         """Step `step`'s SDE steps: all of them (size 0), or a window of `size` whose start
         is drawn from `allowed` (Flow-GRPO-Fast)."""
-        generator = torch.Generator().manual_seed(self.cfg.seed * 7_919 + step)
+        generator = seeding.seeded_generator(self.cfg.seed, step, seeding.SDE_WINDOW)
         return sde_window(noisy_steps(self.cfg.rollout), size, allowed, generator)
 
     def log_images(self, images: torch.Tensor, step: int) -> None:

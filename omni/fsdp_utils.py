@@ -53,6 +53,7 @@ collectives).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
@@ -67,9 +68,11 @@ _WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_modu
 _FLAT_PARAM = "_flat_param"
 
 
-def state_nbytes(state: dict[str, torch.Tensor]) -> int:
-    """Total bytes of the tensors in `state` (e.g. what `collect_lora_params` returned)."""
-    return sum(t.numel() * t.element_size() for t in state.values())
+def state_nbytes(state: Mapping[str, torch.Tensor] | Iterable[torch.Tensor]) -> int:
+    """Total bytes of the tensors in `state` (e.g. what `collect_lora_params` returned), or
+    of an iterable of tensors (e.g. a module's parameters)."""
+    tensors = state.values() if isinstance(state, Mapping) else state
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _clean_name(raw: str) -> str:

@@ -153,11 +153,11 @@ class Trainer:
             yield
             return
         trained = self.worker.lora_state_dict()
-        self.worker.load_lora(self.ema.weights(trained))
+        self.worker.load_adapter(self.ema.weights(trained))
         try:
             yield
         finally:
-            self.worker.load_lora(trained)
+            self.worker.load_adapter(trained)
 
     def evaluate(self) -> Dict[str, torch.Tensor]:
         """Rewards of ODE samples on the held-out prompts and seeds, one per image."""
@@ -262,7 +262,7 @@ class Trainer:
         """`model.lora.init_from`: the LoRA training starts from (checked at validation)."""
         file = checkpoint.lora_file(Path(path))
         try:
-            self.worker.load_lora(checkpoint.load_lora_file(file))
+            self.worker.load_adapter(checkpoint.load_lora_file(file))
         except (KeyError, ValueError) as error:
             raise ConfigError(f"model.lora.init_from={path}: {file} does not fit this model's LoRA: {error}") from None
         logger.info("LoRA initialised from %s", file)

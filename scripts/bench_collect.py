@@ -19,7 +19,6 @@ import ctypes
 import gc
 import json
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -28,6 +27,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from omni.distributed import free_port
+from omni.fsdp_utils import state_nbytes
 
 WORLD = 2
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_out"]
@@ -94,16 +96,12 @@ def _build(args):
     return model
 
 
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def _sizes(model) -> dict:
     return {
         "params": sum(p.numel() for p in model.parameters()),
-        "block_bytes": _nbytes(model.transformer_blocks[0].parameters()),
-        "lora_bytes": _nbytes(p for n, p in model.named_parameters() if ".lora_" in n),
-        "model_bytes": _nbytes([*model.parameters(), *model.buffers()]),
+        "block_bytes": state_nbytes(model.transformer_blocks[0].parameters()),
+        "lora_bytes": state_nbytes(p for n, p in model.named_parameters() if ".lora_" in n),
+        "model_bytes": state_nbytes([*model.parameters(), *model.buffers()]),
     }
 
 
@@ -133,7 +131,6 @@ def _wrap(model, wrapping):
 
 
 def _measure(fn) -> dict:
-    from omni.fsdp_utils import state_nbytes
 
     _trim()
     dist.barrier()
@@ -219,12 +216,6 @@ def _combine(per_rank: list[dict], sizes: dict) -> dict:
     return {"gather_one_block_peak_extra_bytes_max": one_block, "runs": runs, "targets": targets}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=12)
@@ -240,7 +231,7 @@ def main() -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "per_rank.json")
-        worker_args = (_free_port(), args, sizes["block_bytes"] // 4, out_path)
+        worker_args = (free_port(), args, sizes["block_bytes"] // 4, out_path)
         torch.multiprocessing.start_processes(_worker, args=worker_args, nprocs=WORLD, start_method="spawn")
         with open(out_path) as f:
             per_rank = json.load(f)

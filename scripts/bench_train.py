@@ -34,9 +34,8 @@ import time
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
-from omni.config import CONF_DIR, register_configs
+from omni.composing import compose_train
 from omni.config.validate import validate
 from omni.algorithms import flow_grpo
 from omni.context import step_seeds
@@ -44,7 +43,6 @@ from omni.rewards.base import Reward, RewardOptions
 from omni.rewards.brightness import brightness
 from omni.trainer import Trainer
 
-CONF = str(CONF_DIR)
 
 
 def fastest(fn, repeats: int):
@@ -77,9 +75,7 @@ def best_times_interleaved(fns, repeats: int) -> list:
 
 
 def make_trainer(out_dir: str, *overrides: str) -> Trainer:
-    register_configs()
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose("train", overrides=[f"output_dir={out_dir}", "trainer.progress_bar=false", *overrides])
+    cfg = compose_train([f"output_dir={out_dir}", "trainer.progress_bar=false", *overrides])
     trainer = Trainer(validate(cfg))
     trainer.setup()
     return trainer
@@ -149,7 +145,7 @@ def bench_rollout(trainer: Trainer, n_images: int, repeats: int) -> dict:
 def bench_update(trainer: Trainer, repeats: int) -> dict:
     options = trainer.ctx.sampling_options(trainer.ctx.sde_window(0))
     batch = flow_grpo.GRPOBatch(trainer.worker.generate(["a red cat"] * 8, list(range(8)), options), torch.linspace(-1, 1, 8))
-    seconds = best_time(lambda: trainer.worker.train(flow_grpo.update, batch, seed=0), repeats)
+    seconds = best_time(lambda: trainer.worker.apply_update(flow_grpo.update, batch, seed=0), repeats)
     transitions = len(batch) * options.num_steps * trainer.cfg.algorithm.num_inner_epochs
     return {"transitions_per_s": transitions / seconds, "samples_per_s": len(batch) / seconds}
 

@@ -30,24 +30,19 @@ import time
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
-from omni.config import CONF_DIR, register_configs
+from omni.composing import compose_train
 from omni.config.validate import validate
 from omni.trainer import Trainer
 
-CONF = str(CONF_DIR)
 # inside the workers: the update's seconds, and those of a replicated base's gradient all-reduces
 WORKER_TIMES = ("train/worker_seconds", "train/allreduce_seconds")
 
 
 def make_trainer(out_dir: str, n_workers: int, fsdp_version: int) -> Trainer:
-    register_configs()
     overrides = [f"output_dir={out_dir}", "trainer.progress_bar=false", f"trainer.n_workers={n_workers}"]
     overrides.append(f"model.fsdp.version={fsdp_version}")
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
-    return Trainer(validate(cfg))
+    return Trainer(validate(compose_train(overrides)))
 
 
 def timed_step(trainer: Trainer, step: int) -> tuple:

@@ -18,17 +18,10 @@ from pathlib import Path
 
 
 def run_config(overrides):
-    from hydra import compose, initialize_config_dir
-
-    from omni.config import register_configs
+    from omni.composing import compose_train
     from omni.config.validate import validate
 
-    register_configs()
-    from omni.config import CONF_DIR
-
-    conf = str(CONF_DIR)
-    with initialize_config_dir(config_dir=conf, version_base="1.3"):
-        return validate(compose("train", overrides=["output_dir=/tmp/cache-latents", *overrides]))
+    return validate(compose_train(["output_dir=/tmp/cache-latents", *overrides]))
 
 
 def main(argv=None) -> None:
@@ -36,7 +29,7 @@ def main(argv=None) -> None:
     from omni.distributed import pick_device
     from omni.models import get_family
     from omni.rollout.diffusers_engine import load_diffusers_engine
-    from omni.workers.actor_rollout import torch_dtype
+    from omni.devices import torch_dtype
 
     cfg = run_config(sys.argv[1:] if argv is None else argv)
     data = PairData(cfg)  # scans the pairs, or checks a complete cache against this run

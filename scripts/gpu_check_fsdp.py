@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import traceback
@@ -34,6 +33,8 @@ import warnings
 from datetime import timedelta
 
 import torch
+
+from omni.distributed import free_port
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_out"]  # proj_out: root-level LoRA
 CASES = ("fsdp1_offload", "fsdp1_offload_mp", "fsdp2_mp", "fsdp2_mp_keep", "fsdp2_mp_offload")
@@ -219,12 +220,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str, device_type: str, ca
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="run the FSDP2 cases on 2 gloo CPU processes")
@@ -242,7 +237,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             torch.multiprocessing.start_processes(
-                _worker, args=(world, _free_port(), out_dir, device_type, cases), nprocs=world, start_method="spawn"
+                _worker, args=(world, free_port(), out_dir, device_type, cases), nprocs=world, start_method="spawn"
             )
             per_rank = []
             for r in range(world):

@@ -35,7 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from omni import scenes
+from omni import scenes, seeding
 from omni.data.prompts import Prompt
 from omni.models.sd3 import SCHEDULER
 from omni.models.tiny_parts import clip_encoder, clip_tokenizer, save_pipeline, t5_encoder, t5_tokenizer
@@ -74,10 +74,10 @@ def micro_pipeline(seed: int):
 
 def scene_batch(items, step: int, batch: int, size: int, seed: int):
     """Step `step`'s prompts and renders: items taken in a seeded order, each drawn with its own seed."""
-    order = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed * 1009 + step // (len(items) // batch)))
+    order = torch.randperm(len(items), generator=seeding.seeded_generator(seed, step // (len(items) // batch), seeding.MINIBATCHES))
     start = (step % (len(items) // batch)) * batch
     picked = [items[int(i)] for i in order[start : start + batch]]
-    images = torch.stack([scenes.render(item, size, seed * 1_000_003 + step * batch + k) for k, item in enumerate(picked)])
+    images = torch.stack([scenes.render(item, size, seeding.derive_seed(seed, step * batch + k, seeding.SCENE_IMAGES)) for k, item in enumerate(picked)])
     return [item["prompt"] for item in picked], images
 
 
@@ -123,7 +123,7 @@ def train_transformer(pipe, items, args) -> list:
     losses = []
     for step in range(args.steps):
         prompts, images = scene_batch(items, step, args.batch, args.size, args.seed + 2)
-        g = torch.Generator().manual_seed(args.seed * 7919 + step)
+        g = seeding.seeded_generator(args.seed, step, seeding.SDE_WINDOW)
         prompts = ["" if torch.rand(1, generator=g) < UNCONDITIONAL else p for p in prompts]
         with torch.no_grad():
             z = (vae.encode(images * 2 - 1).latent_dist.mean - vae.config.shift_factor) * vae.config.scaling_factor

@@ -18,10 +18,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from omni.config import CONF_DIR, register_configs
+from omni.composing import compose_train
+from omni.config import CONF_DIR
 
 CONF_DIR = str(CONF_DIR)
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -43,9 +43,7 @@ def one_process_group_at_a_time():
 
 def compose_config(overrides=(), output_dir="/tmp/omni-test-output"):
     """The training config as `recipes/train.py` composes it, with `overrides`."""
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=list(overrides))
+    cfg = compose_train(overrides)
     OmegaConf.set_struct(cfg, False)
     cfg.output_dir = str(output_dir)
     OmegaConf.set_struct(cfg, True)

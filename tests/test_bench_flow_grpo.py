@@ -1,4 +1,4 @@
-"""scripts/bench_flow_grpo.py: both trainers get the same settings (ours through the real
+"""scripts/bench_flow_grpo.py (`omni.bench.flow_grpo`): both trainers get the same settings (ours through the real
 config and validation, flow_grpo's through the config file it writes), a step is timed
 between the trainer's step lines after the warm-up, and a run is ended with its whole
 process group. The benchmark itself takes minutes: `python scripts/bench_flow_grpo.py`."""
@@ -14,10 +14,8 @@ import pytest
 from omni.config.validate import validate
 from tests.conftest import compose_config
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_flow_grpo.py"
-spec = importlib.util.spec_from_file_location("bench_flow_grpo", SCRIPT)
-bench = sys.modules["bench_flow_grpo"] = importlib.util.module_from_spec(spec)  # its dataclass needs the module registered
-spec.loader.exec_module(bench)
+from omni.bench import flow_grpo as bench
+
 S = bench.SETTINGS
 
 FAKE_BASE = '''

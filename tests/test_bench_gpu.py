@@ -1,9 +1,8 @@
-"""scripts/bench_gpu.py: its estimate for the published SD3.5-Medium and FLUX.1-dev (meta
-device), its time budget, and (slow) a run end to end on each family's tiny model in bf16 on
-the CPU here, where every figure it reports is measured and positive. On a GPU it builds the
-real architectures."""
+"""scripts/bench_gpu.py (`omni.bench.gpu`, its FLOPs model in `omni.flops`): its estimate for
+the published SD3.5-Medium and FLUX.1-dev (meta device), its time budget, and (slow) a run end
+to end on each family's tiny model in bf16 on the CPU here, where every figure it reports is
+measured and positive. On a GPU it builds the real architectures."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -14,16 +13,17 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_gpu.py"
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from omni.bench import gpu
+
+    return gpu
 
 
 def test_every_published_architecture_of_the_families_has_settings(script):
     from omni.models import get_family
 
-    assert set(script.ARCH_SETTINGS) == {arch for name in script.FAMILIES for arch in get_family(name).published_configs}
+    from omni.flops import ARCH_SETTINGS
+
+    assert set(ARCH_SETTINGS) == {arch for name in script.FAMILIES for arch in get_family(name).published_configs}
 
 
 def test_estimate_of_the_default_architectures_fits_eight_minutes(script, capsys):
@@ -43,22 +43,23 @@ def test_estimate_of_the_default_architectures_fits_eight_minutes(script, capsys
     assert "rollout" not in sd3 and "rollout" not in flux  # nothing built or run
 
 
-def test_flops_of_a_forward_and_of_an_update(script):
+def test_flops_of_a_forward_and_of_an_update():
     """A forward of FLUX.1-dev costs about 2 x weights per token (attention and what is not a
     matmul weigh a few percent); an update, its forwards and one more for each differentiated
     pass's backward (CFG's two passes, or the conditional one and the unconditional without
     gradients), and one more under checkpointing."""
+    from omni.flops import forward_flops, update_forwards
     from omni.memory import arch_config
     from omni.models import get_family
 
     family = get_family("flux")
     meta = family.meta_transformer(config=arch_config(family, "flux.1-dev"))
     params, tokens = sum(p.numel() for p in meta.parameters()), 1024 + 512
-    assert 1.0 < script.forward_flops(meta, family, tokens, 1) / (2 * params * tokens) < 1.1
-    assert script.forward_flops(meta, family, tokens, 3) == 3 * script.forward_flops(meta, family, tokens, 1)
-    assert [script.update_forwards("both", 2, c) for c in (False, True)] == [4, 6]
-    assert [script.update_forwards("conditional", 2, c) for c in (False, True)] == [3, 4]
-    assert [script.update_forwards("both", 1, c) for c in (False, True)] == [2, 3]
+    assert 1.0 < forward_flops(meta, family, tokens, 1) / (2 * params * tokens) < 1.1
+    assert forward_flops(meta, family, tokens, 3) == 3 * forward_flops(meta, family, tokens, 1)
+    assert [update_forwards("both", 2, c) for c in (False, True)] == [4, 6]
+    assert [update_forwards("conditional", 2, c) for c in (False, True)] == [3, 4]
+    assert [update_forwards("both", 1, c) for c in (False, True)] == [2, 3]
 
 
 def test_time_budget_skips_a_phase_that_does_not_fit(script):

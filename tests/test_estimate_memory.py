@@ -1,21 +1,17 @@
-"""scripts/estimate_memory.py counts the real architecture: on a checkpoint we can build, its
-parameter and LoRA counts are those of the loaded model with the run's adapter."""
+"""scripts/estimate_memory.py (`omni.bench.estimate_memory`) counts the real architecture: on
+a checkpoint we can build, its parameter and LoRA counts are those of the loaded model with
+the run's adapter."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "estimate_memory.py"
-
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("estimate_memory", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from omni.bench import estimate_memory
+
+    return estimate_memory
 
 
 def test_counts_match_the_loaded_model(tiny_sd3_dir, capsys):

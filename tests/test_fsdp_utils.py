@@ -28,13 +28,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import warnings
 from datetime import timedelta
 
 import pytest
 import torch
 from torch import nn
+
+from omni.distributed import free_port
 
 WORLD = 2
 WORLD4 = 4  # HSDP (2 x 2 mesh) and partial post-forward resharding need 4 ranks
@@ -450,7 +451,7 @@ def _wan_worker_cell(wan_dir: str, run_dir: str):
     try:
         prompts, seeds, options = ["a red cat", "a blue dog"] * 2, list(range(4)), training_options(cfg, 0)
         batch = worker.generate(prompts, seeds, options)
-        worker.train(flow_grpo.update, flow_grpo.GRPOBatch(batch, torch.tensor([1.0, -1.0, 0.5, -0.5])), seed=0)
+        worker.apply_update(flow_grpo.update, flow_grpo.GRPOBatch(batch, torch.tensor([1.0, -1.0, 0.5, -0.5])), seed=0)
         stale, stale_engine, _ = rescore(worker, batch, with_reference=False)
         worker.sync_weights()
         actor, engine, _ = rescore(worker, worker.generate(prompts, seeds, options), with_reference=False)
@@ -803,12 +804,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str, wan_dir: str) -> Non
 # ---------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # What every worker imports, imported once by the forkserver that forks them (instead of
 # in each spawned process: peft alone takes seconds, 4 processes share 2 cores here).
 _WORKER_PRELOAD = [
@@ -826,7 +821,7 @@ def _run_group(world: int, out_dir, wan_dir) -> list[dict]:
     multiprocessing.get_context("forkserver").set_forkserver_preload(_WORKER_PRELOAD)
     try:
         torch.multiprocessing.start_processes(
-            _worker, args=(world, _free_port(), str(out_dir), str(wan_dir)), nprocs=world, start_method="forkserver", join=True
+            _worker, args=(world, free_port(), str(out_dir), str(wan_dir)), nprocs=world, start_method="forkserver", join=True
         )
     finally:
         if saved is None:

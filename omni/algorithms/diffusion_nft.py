@@ -34,6 +34,7 @@ import torch
 from omni.algorithms.base import Algorithm, grouped_rollout
 from omni.algorithms.dpo import noisy_latents, sample_sigmas
 from omni.algorithms.flow_grpo import check_groups, clip_advantages, masked_group_advantages
+from omni import seeding
 from omni.config.errors import require
 from omni.config.rollout import SDEType
 from omni.context import update_seed
@@ -153,7 +154,7 @@ def update(worker, batch: NFTBatch, seed: int, first: int = 0, total: int = 0) -
     `num_inner_epochs` passes of `num_minibatches` optimizer steps over the noised samples."""
     algo = worker.cfg.algorithm
     data = noised(worker, batch, seed, first, total or len(batch))
-    generator = torch.Generator().manual_seed(seed * 1_009 + first)
+    generator = seeding.seeded_generator(seed, first, seeding.MINIBATCHES)
     totals: Dict[str, List[float]] = {}
     for _ in range(algo.num_inner_epochs):
         for minibatch in torch.randperm(len(data.noisy), generator=generator).tensor_split(algo.num_minibatches):
@@ -196,7 +197,7 @@ class DiffusionNFT(Algorithm):
         cond = rollout.batch.cond.apply(lambda t: t[keep])
         batch = NFTBatch(rollout.batch.latents[keep, -1], cond, r[keep], rollout.batch.options.guidance_scale)
         tick = time.perf_counter()
-        metrics = worker.train(update, batch, update_seed(self.cfg.seed, step))
+        metrics = worker.apply_update(update, batch, update_seed(self.cfg.seed, step))
         timings = {**rollout.timings, "time/update": time.perf_counter() - tick}
         timings["time/sync"] = worker.sync_weights()["sync/seconds"]
         return {**rollout.reward_metrics(), **{f"train/{k}": v for k, v in metrics.items()}, **timings}

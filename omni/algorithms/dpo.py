@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from omni.algorithms.base import Algorithm
+from omni import seeding
 from omni.algorithms.dpo_pairs import EVAL_CHUNK, PairBatch, PairData, split_digest
 from omni.config.algorithm import SigmaSampling
 from omni.config.errors import require
@@ -284,7 +285,7 @@ class OfflineDPO(Algorithm):
         if pairs is None:
             raise ValueError(f"no pair of training step {step + 1} could be decoded (data.pairs={cfg.data.pairs})")
         data_s, tick = time.perf_counter() - tick, time.perf_counter()
-        metrics = worker.train(update, pairs, update_seed(cfg.seed, step))
+        metrics = worker.apply_update(update, pairs, update_seed(cfg.seed, step))
         timings = {"time/data": data_s, "time/update": time.perf_counter() - tick, "time/sync": worker.sync_weights()["sync/seconds"]}
         return {**{f"train/{k}": v for k, v in metrics.items()}, **timings, **self.data_stats}
 
@@ -299,8 +300,8 @@ class OfflineDPO(Algorithm):
         )
         for chunk, pairs in enumerate(batches):
             if pairs is not None:  # the first chunk draws the noise a single batch did
-                seed = self.cfg.trainer.eval_seed + chunk * 1_000_000_007
-                parts.append((len(pairs), self.ctx.worker.evaluate(evaluate, pairs, seed)))
+                seed = seeding.derive_seed(chunk, self.cfg.trainer.eval_seed, seeding.EVAL_CHUNK)
+                parts.append((len(pairs), self.ctx.worker.evaluate_batch(evaluate, pairs, seed)))
         if not parts:  # every held-out pair was unreadable (and skipped)
             return {}
         metrics = mean_over_chunks(parts)

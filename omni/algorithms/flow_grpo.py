@@ -25,6 +25,7 @@ import torch
 from omni.algorithms.base import Algorithm, grouped_rollout
 from omni.config.algorithm import CFGGradient
 from omni.config.errors import require
+from omni import seeding
 from omni.context import update_seed
 from omni.models import get_family
 from omni.rollout.base import RolloutBatch
@@ -123,7 +124,7 @@ def minibatch_rows(n_samples: int, sde_steps, num_minibatches: int, seed: int, f
     samples: List[List[torch.Tensor]] = [[] for _ in range(num_minibatches)]
     steps: List[List[torch.Tensor]] = [[] for _ in range(num_minibatches)]
     for i in range(n_samples):
-        generator = torch.Generator().manual_seed((seed * 1_000_003 + first_sample + i) % 2**63)
+        generator = torch.Generator().manual_seed(seeding.derive_seed(seed, first_sample + i, seeding.SAMPLE_STEPS) % 2**63)
         order = torch.randperm(stop - start, generator=generator) + start
         for m, share in enumerate(order.tensor_split(num_minibatches)):
             samples[m].append(torch.full_like(share, i))
@@ -266,7 +267,8 @@ def run_update(worker, batch: GRPOBatch, seed: int, first: int, policy_loss=clip
     # every update), so the unconditional velocities the rollout kept are the policy's own
     unchanged = batch.rollout.uncond_velocities is not None
     for epoch in range(algo.num_inner_epochs):
-        plan = minibatch_rows(len(batch), batch.rollout.options.sde_steps, algo.num_minibatches, seed * 1_009 + epoch, first)
+        epoch_seed = seeding.derive_seed(seed, epoch, seeding.MINIBATCHES)
+        plan = minibatch_rows(len(batch), batch.rollout.options.sde_steps, algo.num_minibatches, epoch_seed, first)
         for samples, steps in plan:
             for key, value in minibatch_step(worker, batch, samples, steps, policy_loss, old_means, unchanged).items():
                 totals.setdefault(key, []).append(value)
@@ -306,7 +308,7 @@ class FlowGRPO(Algorithm):
         advantages = masked_group_advantages(rollout.scores["reward"], rollout.valid, algo.group_size, algo.adv_norm)
         advantages = clip_advantages(advantages, algo.adv_clip_max)
         tick = time.perf_counter()
-        metrics = worker.train(self.update, GRPOBatch(rollout.batch, advantages), update_seed(self.cfg.seed, step))
+        metrics = worker.apply_update(self.update, GRPOBatch(rollout.batch, advantages), update_seed(self.cfg.seed, step))
         timings = {**rollout.timings, "time/update": time.perf_counter() - tick}
         timings["time/sync"] = worker.sync_weights()["sync/seconds"]
         return {**rollout.reward_metrics(), **{f"train/{k}": v for k, v in metrics.items()}, **timings}

@@ -52,7 +52,7 @@ class OnlineDPO(Algorithm):
             tick = time.perf_counter()
             x0 = rollout.batch.latents[:, -1]
             pairs = dpo.PairBatch(x0[chosen], x0[rejected], rollout.batch.cond.apply(lambda t: t[chosen]))
-            metrics = worker.train(dpo.update, pairs, update_seed(cfg.seed, step))
+            metrics = worker.apply_update(dpo.update, pairs, update_seed(cfg.seed, step))
             timings["time/update"] = time.perf_counter() - tick
             timings["time/sync"] = worker.sync_weights()["sync/seconds"]
         return {

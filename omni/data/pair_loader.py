@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from omni import seeding
 from omni.data.pair_sources import PairSource, bad_row_message
 from omni.data.preferences import BadRow, decode_row, images_to_uint8, uint8_to_batch
 
@@ -39,7 +40,7 @@ def split_positions(n_pairs: int, eval_fraction: float, seed: int) -> Tuple[np.n
 
 def epoch_order(n: int, epoch: int, seed: int) -> torch.Tensor:
     """The seeded permutation of `n` train pairs for `epoch` (the prompts' rule, `items_for_step`)."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return torch.randperm(n, generator=seeding.seeded_generator(seed, epoch, seeding.EPOCH_ORDER))
 
 
 def batch_positions(consumed: int, n: int, n_train: int, seed: int) -> List[int]:

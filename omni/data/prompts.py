@@ -27,6 +27,8 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, TypeV
 
 import torch
 
+from omni import seeding
+
 logger = logging.getLogger(__name__)
 PACKAGE_PREFIX = "omni:"
 T = TypeVar("T")
@@ -165,6 +167,6 @@ def items_for_step(items: Sequence[T], step: int, n: int, seed: int) -> List[T]:
     for position in range(step * n, (step + 1) * n):
         epoch, index = divmod(position, len(items))
         if epoch not in orders:
-            orders[epoch] = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+            orders[epoch] = torch.randperm(len(items), generator=seeding.seeded_generator(seed, epoch, seeding.EPOCH_ORDER))
         picked.append(items[int(orders[epoch][index])])
     return picked

@@ -19,7 +19,8 @@ import torch
 from omegaconf import MISSING
 from torch import nn
 
-from omni.rewards.clip_base import DTYPES, ClipOptions, ClipReward
+from omni.devices import DTYPES
+from omni.rewards.clip_base import ClipOptions, ClipReward
 from omni.rewards.weights_files import check_weights_file, load_error
 
 

@@ -17,11 +17,11 @@ from typing import Any, List, Optional
 import torch
 from omegaconf import MISSING
 
+from omni.devices import DTYPES
 from omni.rewards.base import Reward, RewardOptions
 from omni.rewards.protocol import to_uint8
 from omni.rewards.weights_files import check_weights_dir, load_error
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass

@@ -29,7 +29,7 @@ from omegaconf import MISSING
 from PIL import Image
 
 from omni.rewards.base import Reward, RewardOptions
-from omni.rewards.clip_base import DTYPES
+from omni.devices import DTYPES
 from omni.rewards.protocol import to_uint8
 from omni.rewards.weights_files import check_weights_file
 

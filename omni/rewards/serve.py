@@ -71,13 +71,9 @@ def build_app(reward: WeightedReward):
 def reward_from_overrides(overrides: Sequence[str]) -> WeightedReward:
     """The training config's `reward` group, composed with `overrides` and typed; bad keys or
     options fail here, naming them, before any reward model loads."""
-    from hydra import compose, initialize_config_dir
+    from omni.composing import compose_train
 
-    from omni.config import CONF_DIR, register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=list(overrides))
+    cfg = compose_train(overrides)
     components = {}
     for name, raw in cfg.reward.components.items():
         options = reward_options(name, raw)

@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
+from omni.devices import DTYPES
 from omni.models import get_family
 from omni.models.base import Conditioning
 from omni.rollout.base import RolloutBatch, SamplingOptions
@@ -51,7 +52,6 @@ from omni.rollout.vllm_protocol import (
 from omni.serving import OneAtATime, import_server
 
 logger = logging.getLogger("omni.vllm_server")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class LocalBackend:

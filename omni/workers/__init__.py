@@ -2,17 +2,23 @@
 
 `build_actor_rollout` chooses by `trainer.n_workers`: 1 keeps the worker in the driver's
 process (no Ray, so the default CPU run starts in seconds); more start a Ray worker group
-(`omni.workers.ray_group`) with the same methods.
+(`omni.workers.ray_group`) with the same methods: both implement `ActorRollout`
+(`omni.workers.protocol`).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from omni.workers.errors import ResourcesUnavailable, WorkerFailure
+
+if TYPE_CHECKING:
+    from omni.workers.protocol import ActorRollout
 
 __all__ = ["ResourcesUnavailable", "WorkerFailure", "build_actor_rollout"]
 
 
-def build_actor_rollout(cfg, model_path: str, keep_reference: bool = False):
+def build_actor_rollout(cfg, model_path: str, keep_reference: bool = False) -> ActorRollout:
     """A set-up `ActorRolloutWorker` (n_workers=1) or `ActorRolloutGroup` (n_workers > 1);
     `keep_reference`: the algorithm scores under the reference (see the worker)."""
     if cfg.trainer.n_workers > 1:

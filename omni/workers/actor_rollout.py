@@ -5,7 +5,7 @@ It is the one place that touches several config groups. It offers an algorithm g
 primitives: sampling with its engine, the velocity under the policy or the reference, backward,
 the optimizer step, and the weight sync that hands the new weights to the engine through
 `omni.fsdp_utils.collect_lora_params`. An algorithm's update (`omni.algorithms.<name>.update`)
-runs on the worker through `train`.
+runs on the worker through `apply_update`.
 
 What trains is `model.lora`: a LoRA (the reference is the same transformer with its LoRA
 disabled; a sync sends the LoRA), or, with `model.lora=null`, the whole transformer (the
@@ -24,20 +24,15 @@ from typing import Callable, Dict, Optional, Sequence
 import torch
 
 from omni.config.rollout import shares_actor
+from omni.devices import torch_dtype
 from omni.distributed import destroy_process_group, init_process_group, pick_device
-from omni.fsdp_utils import collect_lora_params
+from omni.fsdp_utils import collect_lora_params, state_nbytes
 from omni.models import get_family
 from omni.models.base import Conditioning
 from omni.rollout import build_engine
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.weights import add_lora_adapter, module_lora_names
 from omni.workers.sharding import average_gradients, clip_grad_norm, wrap_fsdp
-
-
-def torch_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 @contextlib.contextmanager
@@ -123,7 +118,7 @@ class ActorRolloutWorker:
                 layer_prefixes=tuple(self.cfg.model.fsdp.layer_prefixes),
             )
             self.engine.update_weights(tensors, base_sync_done=base_sync_done, lora=self.lora_cfg)
-            sent += sum(t.numel() * t.element_size() for t in tensors.values())
+            sent += state_nbytes(tensors)
         return {"sync/seconds": time.perf_counter() - start, "sync/megabytes": sent / 2**20}
 
     def _sync_kinds(self) -> Sequence[bool]:
@@ -157,7 +152,7 @@ class ActorRolloutWorker:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_optimizer_state_dict(self.actor, self.optimizer, options=options)
 
-    def load_lora(self, lora: Dict[str, torch.Tensor], sync: bool = True) -> None:
+    def load_adapter(self, lora: Dict[str, torch.Tensor], sync: bool = True) -> None:
         """Set the LoRA (PEFT names, as `lora_state_dict` returns them), then sync the engine."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -187,7 +182,7 @@ class ActorRolloutWorker:
         if self.full_finetuning:
             self.load_transformer(weights)
         else:
-            self.load_lora(weights, sync=False)
+            self.load_adapter(weights, sync=False)
         set_optimizer_state_dict(self.actor, self.optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))
         self.sync_weights()
 
@@ -280,7 +275,7 @@ class ActorRolloutWorker:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
-    def train(self, update: Callable, batch, seed: int, first: int = 0, total: int = 0) -> Dict[str, float]:
+    def apply_update(self, update: Callable, batch, seed: int, first: int = 0, total: int = 0) -> Dict[str, float]:
         """Run an algorithm's `update(worker, batch, seed, first, total)` on this worker's
         rows [first, first + len(batch)) of a batch of `total` rows (0: this is the batch).
         Its metrics gain the seconds the update took here (`worker_seconds`: the driver's
@@ -296,7 +291,7 @@ class ActorRolloutWorker:
             metrics["allreduce_seconds"] = self.allreduce_seconds
         return metrics
 
-    def evaluate(self, evaluate: Callable, batch, seed: int) -> Dict[str, float]:
+    def evaluate_batch(self, evaluate: Callable, batch, seed: int) -> Dict[str, float]:
         """Run an algorithm's `evaluate(worker, batch, seed)` without gradients."""
         with torch.no_grad():
             return evaluate(self, batch, seed)

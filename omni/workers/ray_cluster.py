@@ -98,14 +98,16 @@ def check_resources(trainer: Any, layout: WorkerLayout) -> None:
 
 
 def reserve(layout: WorkerLayout, timeout_s: float) -> list:
-    """One placement group per node, ready within `timeout_s`, or ResourcesUnavailable."""
+    """One placement group per node, ready within `timeout_s`, or ResourcesUnavailable;
+    ordered by their node's address, as verl orders the groups it makes itself, so that
+    ranks map to the nodes in the same order run after run."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
     groups = [placement_group([dict(layout.bundle) for _ in range(n)], strategy="STRICT_PACK") for n in layout.workers_per_node]
     ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout_s)
     if len(ready) == len(groups):
-        return groups
+        return by_node_address(groups)
     for group in groups:
         remove_placement_group(group)
     raise ResourcesUnavailable(
@@ -113,6 +115,15 @@ def reserve(layout: WorkerLayout, timeout_s: float) -> list:
         f"cluster has the resources, but others hold them (available now: {ray.available_resources()}). "
         f"Wait for them, or lower trainer.n_workers / trainer.n_gpus_per_node"
     )
+
+
+def by_node_address(groups: list) -> list:
+    """Placement groups (each on one node: STRICT_PACK) sorted by their node's address."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    address = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+    return sorted(groups, key=lambda group: address[placement_group_table(group)["bundles_to_node_id"][0]])
 
 
 def release(groups: list) -> None:

@@ -1,6 +1,7 @@
 """N actor-rollout workers as a Ray worker group (verl's single controller), driven through
-`ActorRolloutGroup`, a facade with the worker's own method names: the trainer and the
-algorithms run the same code with one in-process worker or with the group.
+`ActorRolloutGroup`, a facade with the worker's own method names (`ActorRollout`, in
+`omni.workers.protocol`): the trainer and the algorithms run the same code with one
+in-process worker or with the group.
 
 Each worker is an `ActorRolloutWorker` (its FSDP shard of the actor, its own rollout engine)
 inside `RayActorRolloutWorker`, a thin verl `Worker`. Rollouts split prompts and seeds over
@@ -21,7 +22,7 @@ import ray
 import torch
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, Execute, register
-from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup, SubRayResourcePool
 
 from omni.models.base import Conditioning
 from omni.rollout.base import RolloutBatch, SamplingOptions
@@ -53,15 +54,15 @@ class RayActorRolloutWorker(Worker):
         return self.worker.generate(prompts, seeds, options) if prompts else None
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
-    def train(self, update: Callable, batch, seed: int, first: int, total: int):
+    def apply_update(self, update: Callable, batch, seed: int, first: int = 0, total: int = 0):
         self.updates += 1
         if os.environ.get(CRASH_HOOK_ENV) == f"{self.rank}:{self.updates}":
             os._exit(1)
-        return self.worker.train(update, batch, seed, first, total)
+        return self.worker.apply_update(update, batch, seed, first, total)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def evaluate(self, evaluate: Callable, batch, seed: int):
-        return self.worker.evaluate(evaluate, batch, seed)
+    def evaluate_batch(self, evaluate: Callable, batch, seed: int):
+        return self.worker.evaluate_batch(evaluate, batch, seed)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def sync_weights(self) -> Dict[str, float]:
@@ -91,8 +92,8 @@ class RayActorRolloutWorker(Worker):
         self.worker.load_state(weights, optimizer_state)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def load_lora(self, lora: Dict[str, torch.Tensor]) -> None:
-        self.worker.load_lora(lora)
+    def load_adapter(self, lora: Dict[str, torch.Tensor]) -> None:
+        self.worker.load_adapter(lora)
 
     @register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode=Execute.RANK_ZERO, blocking=False)
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
@@ -127,8 +128,13 @@ class ActorRolloutGroup:
             raise
 
     def _start_workers(self, layout: ray_cluster.WorkerLayout, model_path: str) -> RayWorkerGroup:
-        pool = RayResourcePool(process_on_nodes=layout.workers_per_node, use_gpu=layout.use_gpu, max_colocate_count=1)
-        pool.pgs = self.placement_groups  # reserved with a timeout: verl's own wait has none
+        # the placement groups reserved with a timeout (verl's own wait has none), handed in
+        # through the constructor verl offers for placement groups that already exist
+        pool = SubRayResourcePool(
+            placement_groups=self.placement_groups, start_bundle_index=0,
+            subgroup_world_size=sum(layout.workers_per_node),
+            process_on_nodes=layout.workers_per_node, use_gpu=layout.use_gpu, max_colocate_count=1,
+        )  # fmt: skip
         cfg = copy.deepcopy(self.cfg)
         if not layout.use_gpu:
             cfg.trainer.device = "cpu"  # "auto" must not pick a GPU that Ray did not reserve
@@ -176,7 +182,7 @@ class ActorRolloutGroup:
     def encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> Conditioning:
         return self.call_rank_zero("encode_prompts", list(prompts), guidance_scale, max_sequence_length)
 
-    def train(self, update: Callable, batch, seed: int) -> Dict[str, float]:
+    def apply_update(self, update: Callable, batch, seed: int) -> Dict[str, float]:
         """Each worker runs `update` on an equal shard of the batch. Rows past the last
         multiple of the worker count (online DPO's pair count varies) sit this update out
         and are counted in `rows_unused`."""
@@ -184,17 +190,17 @@ class ActorRolloutGroup:
         metrics: Dict[str, float] = {}
         if used:
             shards = equal_shards(used, self.world_size)
-            futures = self.workers.train(
+            futures = self.workers.apply_update(
                 [update] * self.world_size, [batch.select(s) for s in shards],
                 [seed] * self.world_size, [s.start for s in shards], [used] * self.world_size,
             )  # fmt: skip
-            metrics = mean_metrics(self._gather("train", futures))
+            metrics = mean_metrics(self._gather("apply_update", futures))
         if used < len(batch):
             metrics["rows_unused"] = float(len(batch) - used)
         return metrics
 
-    def evaluate(self, evaluate: Callable, batch, seed: int) -> Dict[str, float]:
-        return self._gather("evaluate", self.workers.evaluate(evaluate, batch, seed))[0]
+    def evaluate_batch(self, evaluate: Callable, batch, seed: int) -> Dict[str, float]:
+        return self._gather("evaluate_batch", self.workers.evaluate_batch(evaluate, batch, seed))[0]
 
     def sync_weights(self) -> Dict[str, float]:
         per_worker = self._gather("sync_weights", self.workers.sync_weights())
@@ -216,8 +222,8 @@ class ActorRolloutGroup:
         # one copy in the object store for all workers
         self._gather("load_state", self.workers.load_state(ray.put(weights), ray.put(optimizer_state)))
 
-    def load_lora(self, lora: Dict[str, torch.Tensor]) -> None:
-        self._gather("load_lora", self.workers.load_lora(ray.put(lora)))
+    def load_adapter(self, lora: Dict[str, torch.Tensor]) -> None:
+        self._gather("load_adapter", self.workers.load_adapter(ray.put(lora)))
 
     # ----------------------------------------------------------------- shutdown
     def _kill_workers(self) -> None:

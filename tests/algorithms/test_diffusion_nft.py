@@ -58,7 +58,7 @@ def test_update_moves_good_images_clean_estimate_closer(fresh, monkeypatch):
         return ((noisy - sigmas.reshape(-1, 1, 1, 1) * v - clean) ** 2).mean(dim=(1, 2, 3)).reshape(n, k).mean(1)
 
     before = errors()
-    metrics = fresh.train(nft.update, nft_batch, seed=0)
+    metrics = fresh.apply_update(nft.update, nft_batch, seed=0)
     after = errors()
     assert metrics["grad_norm"] > 0
     assert (after[0] - before[0]) < (after[1] - before[1]), (before, after)

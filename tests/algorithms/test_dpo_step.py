@@ -65,7 +65,7 @@ def test_reference_errors_land_on_their_pairs_whatever_the_chunks(offline_traine
         torch.testing.assert_close(found, whole[[i, len(pairs) + i]], rtol=1e-5, atol=0)
     # the update (micro-batches of 4 pairs, reference chunks of 3) pairs each policy error with
     # its own reference error: at init every logit is ~0 (beta times the rounding above)
-    metrics = worker.train(dpo.update, pairs, 5)
+    metrics = worker.apply_update(dpo.update, pairs, 5)
     assert abs(metrics["loss"] - math.log(2)) < 1e-3 and abs(metrics["reward_margin"]) < 1e-2
     assert metrics["ref_err_chosen"] == pytest.approx(float(whole[: len(pairs)].mean()), rel=1e-5)
 

@@ -41,7 +41,7 @@ def test_update_on_the_tiny_model_raises_positive_advantage_log_prob(fresh, monk
     monkeypatch.setattr(fresh.cfg, "algorithm", FlowDPPOConfig(**{**shared, "name": "flow_dppo"}))
     batch = rollout(fresh, n=2)
     before = all_log_probs(fresh, batch).mean(dim=1)
-    metrics = fresh.train(flow_dppo.update, flow_dppo.GRPOBatch(batch, torch.tensor([1.0, -1.0])), seed=0)
+    metrics = fresh.apply_update(flow_dppo.update, flow_dppo.GRPOBatch(batch, torch.tensor([1.0, -1.0])), seed=0)
     after = all_log_probs(fresh, batch).mean(dim=1)
     assert after[0] > before[0] and after[0] - before[0] > after[1] - before[1], (before, after)
     # the second minibatch runs on moved weights: some of its transitions leave the region

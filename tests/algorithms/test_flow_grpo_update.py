@@ -68,7 +68,7 @@ def test_positive_kl_coef_changes_the_gradient(fresh):
 def test_update_raises_log_prob_of_positive_advantage_and_lowers_negative(fresh):
     batch = rollout(fresh, n=2)
     before = all_log_probs(fresh, batch).mean(dim=1)
-    fresh.train(flow_grpo.update, flow_grpo.GRPOBatch(batch, torch.tensor([1.0, -1.0])), seed=0)
+    fresh.apply_update(flow_grpo.update, flow_grpo.GRPOBatch(batch, torch.tensor([1.0, -1.0])), seed=0)
     after = all_log_probs(fresh, batch).mean(dim=1)
     assert after[0] > before[0] and after[1] < before[1], (before, after)
 

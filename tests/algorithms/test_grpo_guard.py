@@ -63,7 +63,7 @@ def test_update_on_the_tiny_model_raises_positive_advantage_log_prob(fresh):
 
     batch = rollout(fresh, n=2)
     before = all_log_probs(fresh, batch).mean(dim=1)
-    metrics = fresh.train(grpo_guard.update, grpo_guard.GRPOBatch(batch, torch.tensor([1.0, -1.0])), seed=0)
+    metrics = fresh.apply_update(grpo_guard.update, grpo_guard.GRPOBatch(batch, torch.tensor([1.0, -1.0])), seed=0)
     after = all_log_probs(fresh, batch).mean(dim=1)
     assert after[0] > before[0] and after[1] < before[1], (before, after)
     assert metrics["grad_norm"] > 0 and "raw_ratio" in metrics

@@ -39,7 +39,7 @@ def test_update_raises_log_prob_of_positive_advantage_and_lowers_negative(tiny_c
     try:
         batch = rollout(cfg, worker, n=2)
         before = rescore(worker, batch, with_reference=False)[0].reshape(2, -1).mean(1)
-        worker.train(flow_grpo.update, flow_grpo.GRPOBatch(batch, torch.tensor([1.0, -1.0])), seed=0)
+        worker.apply_update(flow_grpo.update, flow_grpo.GRPOBatch(batch, torch.tensor([1.0, -1.0])), seed=0)
         worker.sync_weights()
         after, engine, _ = rescore(worker, rollout(cfg, worker, n=2), with_reference=False)
         assert (after - engine).abs().max() <= 1e-5  # the synced engine samples the updated policy

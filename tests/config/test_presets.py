@@ -4,10 +4,9 @@ and validates (tests/config/test_compose.py covers the group x option product)."
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from omni.config import register_configs
+from omni.composing import compose_train
 from omni.config.validate import ConfigError, validate
 from tests.conftest import CONF_DIR, compose_config
 
@@ -78,10 +77,8 @@ def test_paper_preset_trains_the_joint_attention_of_sd35_medium_only(tmp_path):
 
 @pytest.mark.parametrize("name", options("hparams_search"))
 def test_search_composes_and_validates(name, tiny_cache, tmp_path):
-    register_configs()
     overrides = [f"hparams_search={name}", "experiment=tiny_sweep", f"model.cache_dir={tiny_cache}", f"output_dir={tmp_path}"]
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    cfg = compose_train(overrides, return_hydra_config=True)
     sweeper = cfg.hydra.sweeper
     assert sweeper.direction == "maximize" and sweeper.params
     for key in sweeper.params:

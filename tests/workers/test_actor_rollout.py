@@ -119,7 +119,7 @@ def test_update_changes_only_lora(tiny_cache, tmp_path):
     lora = {n: p.detach().clone() for n, p in worker.actor.named_parameters() if p.requires_grad}
     batch = rollout(cfg, worker, n=8)
     advantages = torch.linspace(-1, 1, len(batch))
-    metrics = worker.train(flow_grpo.update, flow_grpo.GRPOBatch(batch, advantages), seed=0)
+    metrics = worker.apply_update(flow_grpo.update, flow_grpo.GRPOBatch(batch, advantages), seed=0)
     assert metrics["grad_norm"] > 0 and 0 <= metrics["clip_fraction"] <= 1
     now = dict(worker.actor.named_parameters())
     assert all(torch.equal(now[n], p) for n, p in frozen.items())

@@ -42,7 +42,7 @@ def one_update(worker):
     grads, step = [], worker.optimizer_step
     worker.optimizer_step = lambda: grads.append([p.grad.clone() for p in worker.trainable]) or step()
     try:
-        worker.train(flow_grpo.update, flow_grpo.GRPOBatch(batch, torch.tensor([1.0, -1.0, 0.5, -0.5])), seed=0)
+        worker.apply_update(flow_grpo.update, flow_grpo.GRPOBatch(batch, torch.tensor([1.0, -1.0, 0.5, -0.5])), seed=0)
     finally:
         del worker.optimizer_step
     assert len(grads) == 1

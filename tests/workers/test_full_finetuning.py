@@ -40,7 +40,7 @@ def perturb(worker, seed=0):
 
 def update(cfg, worker, batch=None):
     batch = batch or rollout(cfg, worker, n=4)
-    return worker.train(flow_grpo.update, flow_grpo.GRPOBatch(batch, torch.tensor([1.0, -1.0, 0.5, -0.5])), seed=0)
+    return worker.apply_update(flow_grpo.update, flow_grpo.GRPOBatch(batch, torch.tensor([1.0, -1.0, 0.5, -0.5])), seed=0)
 
 
 def test_algorithms_say_whether_they_score_under_the_reference(tiny_cache):

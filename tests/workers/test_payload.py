@@ -7,6 +7,7 @@ import torch
 
 from omni.algorithms.dpo import PairBatch
 from omni.algorithms.flow_grpo import GRPOBatch
+from omni.fsdp_utils import state_nbytes
 from omni.models.sd3 import PromptEmbeds
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.workers.batching import equal_shards
@@ -19,7 +20,7 @@ def cond(n):
 
 
 def nbytes(*tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return state_nbytes(tensors)
 
 
 def test_a_grpo_shard_carries_only_its_rows_and_no_images():

@@ -82,7 +82,7 @@ def test_two_workers_match_one_worker(model, tiny_cache, tmp_path):
     batch = one.generate(prompts, seeds, sampling(cfg, 0))
     advantages = flow_grpo.group_advantages(torch.linspace(0, 1, len(prompts)) ** 2, 4)
     initial_lora = one.trained_state_dict()
-    one_metrics = one.train(flow_grpo.update, flow_grpo.GRPOBatch(batch, advantages), seed=7)
+    one_metrics = one.apply_update(flow_grpo.update, flow_grpo.GRPOBatch(batch, advantages), seed=7)
     one_lora = one.trained_state_dict()
     one.sync_weights()
     one_after = one.generate(prompts, seeds, sampling(cfg, 1))
@@ -92,7 +92,7 @@ def test_two_workers_match_one_worker(model, tiny_cache, tmp_path):
     try:
         assert max_difference(two.trained_state_dict(), initial_lora) == 0
         two_batch = two.generate(prompts, seeds, sampling(cfg, 0))
-        two_metrics = two.train(flow_grpo.update, flow_grpo.GRPOBatch(batch, advantages), seed=7)
+        two_metrics = two.apply_update(flow_grpo.update, flow_grpo.GRPOBatch(batch, advantages), seed=7)
         two_lora = two.trained_state_dict()
         two.sync_weights()
         two_after = two.generate(prompts, seeds, sampling(cfg, 1))

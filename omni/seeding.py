@@ -1,0 +1,31 @@
+"""Every seed a run derives from its own `seed`: one rule, one home.
+
+A derived seed is `base * stream + index`: `base` is the seed it comes from, `index` what
+varies (a step, an epoch, a row) and `stream` a prime of its own per use, so that two uses
+with the same base and index draw different numbers. The primes are the ones the code used
+before this module: the pinned checksums depend on every number drawn, so none changes.
+The result is a plain integer (what `torch.Generator.manual_seed` takes below 2**64).
+"""
+
+from __future__ import annotations
+
+import torch
+
+STEP_IMAGES = 1_000_003  # a training step's (or the evaluation's) image seeds; index: the step
+SAMPLE_STEPS = 1_000_003  # Flow-GRPO: one trajectory's SDE steps over the minibatches; index: its row
+SCENE_IMAGES = 1_000_003  # a rendered scene image (scripts); index: the image
+UPDATE = 15_485_863  # a training step's update (minibatch shuffles, DPO noise); index: the step
+SDE_WINDOW = 7_919  # Flow-GRPO-Fast's window start; index: the step
+EPOCH_ORDER = 100_003  # the shuffle of prompts or preference pairs; index: the epoch
+MINIBATCHES = 1_009  # an update's minibatch plan and DiffusionNFT's noise; index: the epoch or first row
+EVAL_CHUNK = 1_000_000_007  # a held-out DPO chunk's noise; base: the chunk, index: trainer.eval_seed
+
+
+def derive_seed(base: int, index: int, stream: int) -> int:
+    """`base * stream + index`: the seed of `index` in `stream`, derived from `base`."""
+    return base * stream + index
+
+
+def seeded_generator(base: int, index: int, stream: int) -> torch.Generator:
+    """A CPU generator seeded with `derive_seed(base, index, stream)`."""
+    return torch.Generator().manual_seed(derive_seed(base, index, stream))
