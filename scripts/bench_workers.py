@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from omni.config import CONF_DIR, register_configs
-from omni.config.validate import validate
+from omni.config import CONF_DIR
+from omni.registration import register_configs
+from omni.validation import validate
 from omni.trainer import Trainer
 
 CONF = str(CONF_DIR)

@@ -20,8 +20,8 @@ from pathlib import Path
 def run_config(overrides):
     from hydra import compose, initialize_config_dir
 
-    from omni.config import register_configs
-    from omni.config.validate import validate
+    from omni.registration import register_configs
+    from omni.validation import validate
 
     register_configs()
     from omni.config import CONF_DIR

@@ -48,7 +48,7 @@ def parse_size(text: str):
 def run_config(overrides):
     from hydra import compose, initialize_config_dir
 
-    from omni.config import register_configs
+    from omni.registration import register_configs
 
     register_configs()
     from omni.config import CONF_DIR

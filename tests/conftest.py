@@ -21,7 +21,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from omni.config import CONF_DIR, register_configs
+from omni.config import CONF_DIR
+from omni.registration import register_configs
 
 CONF_DIR = str(CONF_DIR)
 os.environ.setdefault("WANDB_SILENT", "true")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from omni.config.validate import validate
+from omni.validation import validate
 from tests.conftest import compose_config
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_flow_grpo.py"

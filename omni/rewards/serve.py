@@ -73,7 +73,8 @@ def reward_from_overrides(overrides: Sequence[str]) -> WeightedReward:
     options fail here, naming them, before any reward model loads."""
     from hydra import compose, initialize_config_dir
 
-    from omni.config import CONF_DIR, register_configs
+    from omni.config import CONF_DIR
+    from omni.registration import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

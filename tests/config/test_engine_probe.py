@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from omni.config.validate import ENGINE_PROBE_TIMEOUT_S, ConfigError, validate
+from omni.validation import ENGINE_PROBE_TIMEOUT_S, ConfigError, validate
 from omni.distributed import free_port
 from tests.conftest import compose_config
 from tests.servers import dropping_server, uvicorn_server

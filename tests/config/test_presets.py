@@ -7,8 +7,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from omni.config import register_configs
-from omni.config.validate import ConfigError, validate
+from omni.registration import register_configs
+from omni.validation import ConfigError, validate
 from tests.conftest import CONF_DIR, compose_config
 
 

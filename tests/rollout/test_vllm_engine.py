@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from omni.config.rollout import VllmOptions
-from omni.config.validate import ConfigError, validate
+from omni.validation import ConfigError, validate
 from omni.algorithms import flow_grpo
 from omni.models.sd3 import FAMILY, build_tiny_transformer
 from omni.rollout.engine_client import EngineClient
