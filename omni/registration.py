@@ -7,7 +7,8 @@ registries, and lives here, one layer up. Call `register_configs()` before compo
 
 from hydra.core.config_store import ConfigStore
 
-from omni.config import ALGORITHM_SCHEMAS, TrainConfig
+from omni.algorithms import ALGORITHMS
+from omni.config import TrainConfig
 from omni.config.rollout import VllmRolloutConfig
 from omni.rewards import REWARDS
 
@@ -16,8 +17,8 @@ def register_configs() -> None:
     """Store the schemas in Hydra's ConfigStore (idempotent)."""
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
-    for name, schema in ALGORITHM_SCHEMAS.items():
-        cs.store(group="schema/algorithm", name=name, node=schema)
+    for name in ALGORITHMS.names():  # each algorithm's options, declared on its class
+        cs.store(group="schema/algorithm", name=name, node=ALGORITHMS.get(name).Options)
     cs.store(group="schema/rollout", name="vllm", node=VllmRolloutConfig)
     for name in REWARDS.names():  # each reward's options, typed at composition
         cs.store(group="schema/reward", name=name, node=REWARDS.get(name).Options)

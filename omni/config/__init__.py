@@ -14,28 +14,17 @@ from pathlib import Path
 
 from omegaconf import MISSING
 
-from omni.config.algorithm import (
-    AlgorithmConfig,
-    DiffusionNFTConfig,
-    DPOConfig,
-    FlowDPPOConfig,
-    FlowGRPOConfig,
-    MixGRPOConfig,
-    OnlineDPOConfig,
-)
+from omni.config.algorithm import AlgorithmConfig
 from omni.config.data import DataConfig
 from omni.config.logger import LoggerConfig
 from omni.config.model import FSDPConfig, LoraConfig, ModelConfig
 from omni.config.reward import RewardConfig
-from omni.config.rollout import RolloutConfig, VllmRolloutConfig
+from omni.config.rollout import RolloutConfig
 from omni.config.trainer import TrainerConfig
 
 # The config groups: a folder of the package, so an installed (non-editable) omni-recipes has them.
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 CONFIG_PATH = "pkg://omni.conf"
-
-ALGORITHM_SCHEMAS = {"flow_grpo": FlowGRPOConfig, "flow_dppo": FlowDPPOConfig, "dpo": DPOConfig, "online_dpo": OnlineDPOConfig,
-                     "diffusion_nft": DiffusionNFTConfig, "mix_grpo": MixGRPOConfig}
 
 
 @dataclass
@@ -55,17 +44,11 @@ __all__ = [
     "CONFIG_PATH",
     "CONF_DIR",
     "AlgorithmConfig",
-    "DPOConfig",
-    "DiffusionNFTConfig",
     "DataConfig",
     "FSDPConfig",
-    "FlowDPPOConfig",
-    "FlowGRPOConfig",
     "LoggerConfig",
-    "MixGRPOConfig",
     "LoraConfig",
     "ModelConfig",
-    "OnlineDPOConfig",
     "RewardConfig",
     "RolloutConfig",
     "TrainConfig",
