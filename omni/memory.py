@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from omni.config.rollout import shares_actor
+from omni.rollout import shares_actor
 
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

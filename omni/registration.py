@@ -1,7 +1,7 @@
 """Registering the schemas with Hydra's ConfigStore, by iterating the component registries.
 
 `omni.config` holds the schemas and imports nothing above it; the components (rewards,
-algorithms, ...) declare their options beside their code, so storing them needs the
+algorithms, rollout engines) declare their options beside their code, so storing them needs the
 registries, and lives here, one layer up. Call `register_configs()` before composing.
 """
 
@@ -9,8 +9,9 @@ from hydra.core.config_store import ConfigStore
 
 from omni.algorithms import ALGORITHMS
 from omni.config import TrainConfig
-from omni.config.rollout import VllmRolloutConfig
+from omni.config.rollout import RolloutConfig
 from omni.rewards import REWARDS
+from omni.rollout import ENGINES
 
 
 def register_configs() -> None:
@@ -19,6 +20,7 @@ def register_configs() -> None:
     cs.store(name="train_schema", node=TrainConfig)
     for name in ALGORITHMS.names():  # each algorithm's options, declared on its class
         cs.store(group="schema/algorithm", name=name, node=ALGORITHMS.get(name).Options)
-    cs.store(group="schema/rollout", name="vllm", node=VllmRolloutConfig)
+    for name in ENGINES.names():  # each engine's options (its own, or those every engine takes)
+        cs.store(group="schema/rollout", name=name, node=getattr(ENGINES.module(name), "Options", RolloutConfig))
     for name in REWARDS.names():  # each reward's options, typed at composition
         cs.store(group="schema/reward", name=name, node=REWARDS.get(name).Options)

@@ -24,12 +24,13 @@ from omni.checkpoint import CheckpointMismatch, DamagedCheckpoint, check_checkpo
 from omni.config import TrainConfig
 from omni.config.errors import ConfigError, require
 from omni.config.model import DType
-from omni.config.rollout import Engine, SDEType, VllmBackend, shares_actor
+from omni.config.rollout import SDEType
 from omni.data.prompts import load_prompts
 from omni.memory import configuration, count, device_total_gib, peak_phase, run_settings
 from omni.models import get_family
 from omni.models.base import ModelFamily
 from omni.rewards import REWARDS, reward_options
+from omni.rollout import ENGINES, engine_name, shares_actor
 
 __all__ = ["ConfigError", "validate"]
 
@@ -110,12 +111,9 @@ def check_lora_targets(model, family: ModelFamily) -> None:
 
 def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
     rollout, model = cfg.rollout, cfg.model
-    if rollout.engine == Engine.vllm:
-        require(
-            family.vllm_served or rollout.options.backend == VllmBackend.native,  # native: its own check
-            f"rollout=vllm: model.family={family.name} is not yet served by the vLLM-Omni engine; use rollout=diffusers",
-        )
-        check_vllm_rollout(rollout, family.name)
+    engine_check = getattr(ENGINES.module(engine_name(cfg)), "check_config", None)
+    if engine_check is not None:  # the engine's own rules (rollout=vllm: a family it serves, an engine to reach)
+        engine_check(cfg, family)
     multiple = family.tiny_resolution_multiple() if model.tiny_seed is not None else family.resolution_multiple(model.path)
     require(
         rollout.resolution > 0 and rollout.resolution % multiple == 0,
@@ -165,9 +163,9 @@ def check_share_actor(cfg: TrainConfig) -> None:
     if not cfg.rollout.share_actor:
         return
     require(
-        cfg.rollout.engine == Engine.diffusers,
-        f"rollout.share_actor=true with rollout.engine={cfg.rollout.engine.value}: only the in-process "
-        "diffusers engine can sample with the actor's transformer; set rollout.share_actor=false",
+        hasattr(ENGINES.module(engine_name(cfg)), "can_share_actor"),
+        f"rollout.share_actor=true with rollout.engine={engine_name(cfg)}: only an in-process engine "
+        "(diffusers) can sample with the actor's transformer; set rollout.share_actor=false",
     )
     require(
         cfg.trainer.n_workers == 1 or cfg.model.fsdp.version in (0, 2),
@@ -321,40 +319,6 @@ def memory_message(family: ModelFamily, row: dict, checkpointed: dict | None, bu
         "The estimate is omni/memory.py's (python scripts/estimate_memory.py prints its parts); "
         "to run anyway, give a larger trainer.device_memory_gib"
     )
-
-
-def check_vllm_rollout(rollout, family: str) -> None:
-    """rollout=vllm: an engine to start or attach to (for backend=native, one whose vLLM-Omni
-    has the hooks the family's native pipeline uses)."""
-    from omni.rollout.vllm_engine import engine_unavailable
-
-    problem = engine_unavailable(rollout.options, family)
-    require(problem is None, f"rollout=vllm: {problem}")
-    if rollout.options.url:
-        probe_engine(rollout.options)
-
-
-# Seconds an engine the run attaches to (rollout.options.url) has to answer /health at validation.
-ENGINE_PROBE_TIMEOUT_S = 5.0
-
-
-def probe_engine(options) -> None:
-    """The engine at rollout.options.url answers /health, within a short timeout and without
-    retries: a wrong or dead URL is named here, not after the transformer has loaded."""
-    from omni.rollout.engine_client import EngineClient
-
-    client = EngineClient(options.url, options)
-    try:
-        client.health(retry=False, timeout=ENGINE_PROBE_TIMEOUT_S)
-    except Exception as error:  # refused, timed out, dropped, or an answer that is not the engine's
-        raise ConfigError(
-            f"rollout.options.url={options.url}: no rollout engine answered GET /health within "
-            f"{ENGINE_PROBE_TIMEOUT_S:g}s ({type(error).__name__}: {str(error)[:200]}); start it "
-            "(ENV/bin/python -m omni.rollout.vllm_server --model ... --port ...) or leave rollout.options.url "
-            "unset for the run to start one"
-        ) from None
-    finally:
-        client.close()
 
 
 def check_trainer(cfg: TrainConfig) -> None:

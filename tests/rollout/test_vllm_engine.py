@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from omni.config.rollout import VllmOptions
+from omni.rollout.vllm_options import VllmOptions
 from omni.validation import ConfigError, validate
 from omni.algorithms import flow_grpo
 from omni.models.sd3 import FAMILY, build_tiny_transformer
