@@ -5,7 +5,9 @@ composed config once into the schema objects (`TrainConfig` and its dataclasses,
 closed sets), fills what other groups leave to the model family (resolution, guidance, LoRA
 targets; float32 for full fine-tuning, `model.lora=null`), types each reward's options,
 checks every rule (each error names the keys involved; an engine to attach to must answer)
-and returns the config the run uses.
+and returns the config the run uses. The engine's own rules are its module's `check_config`
+(omni/rollout/<engine>_engine.py), the algorithm's its class's `check_config`, and the memory
+estimate against the device (and `model.fsdp.version=null`'s choice) is omni/memory.py's.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import dataclasses
 import re
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from omni.algorithms import get_algorithm
@@ -26,7 +27,7 @@ from omni.config.errors import ConfigError, require
 from omni.config.model import DType
 from omni.config.rollout import SDEType
 from omni.data.prompts import load_prompts
-from omni.memory import configuration, count, device_total_gib, peak_phase, run_settings
+from omni.memory import check_memory, resolve_fsdp_version
 from omni.models import get_family
 from omni.models.base import ModelFamily
 from omni.rewards import REWARDS, reward_options
@@ -228,96 +229,6 @@ def check_full_finetuning(cfg: TrainConfig) -> None:
         cfg.trainer.ema_decay is None,
         f"trainer.ema_decay={cfg.trainer.ema_decay} with model.lora=null (full fine-tuning): the EMA averages a LoRA; "
         "set trainer.ema_decay=null, or train a LoRA",
-    )
-
-
-def runs_on_cuda(trainer) -> bool:
-    """Whether the run's workers compute on CUDA devices (as omni.distributed.pick_device and
-    the Ray worker group resolve trainer.device=auto)."""
-    if trainer.device != "auto":
-        return trainer.device == "cuda"
-    return trainer.n_gpus_per_node > 0 or (trainer.n_workers == 1 and torch.cuda.is_available())
-
-
-def memory_budget(trainer, on_cuda: bool) -> tuple:
-    """GiB one device of the run may hold (`trainer.device_memory_gib`, else a CUDA device's
-    total, else None: not checked) and how a message names it."""
-    budget = trainer.device_memory_gib
-    require(
-        budget is None or budget >= 0.01,
-        f"trainer.device_memory_gib={budget} must be at least 0.01 (GiB, the estimate's precision), or null for the CUDA device's total",
-    )
-    if budget is not None:
-        return budget, f"trainer.device_memory_gib={budget}"
-    total = device_total_gib() if on_cuda else None
-    return total, f"the CUDA device's {total:.1f} GiB (trainer.device_memory_gib=null)" if total else None
-
-
-def estimate_memory(cfg: TrainConfig, family: ModelFamily, **changes) -> dict:
-    """omni/memory.py's estimate of the run's peak per device (its transformer built on the
-    meta device, its own frames, resolution, micro-batch, workers, sharding, LoRA, dtype and
-    checkpointing), with `changes` to those settings."""
-    model = cfg.model
-    tiny = model.tiny_seed is not None
-    config = family.tiny_transformer_config() if tiny else family.transformer_config(model.path)
-    arch = f"model.tiny_seed={model.tiny_seed} (tiny {family.name})" if tiny else f"model.path={model.path}"
-    on_cuda = runs_on_cuda(cfg.trainer)
-    dtype = model.dtype.value if model.dtype != DType.auto else ("bfloat16" if on_cuda else "float32")
-    sizes = count(family, config, model.lora)
-    if tiny:  # the family's text encoders and VAE are the published ones; a tiny model's weigh under a megabyte
-        sizes.update(text_encoder_params=0, vae_params=0)
-    frames = cfg.rollout.num_frames if family.video else 1
-    settings = {**run_settings(cfg, family, dtype), **changes}
-    return configuration(family, config, sizes, arch, cfg.rollout.resolution, frames, model.max_sequence_length, **settings)
-
-
-def resolve_fsdp_version(cfg: TrainConfig, family: ModelFamily) -> None:
-    """`model.fsdp.version=null`: one worker shards nothing (0); several workers replicate a
-    LoRA run's base when it fits each device (0: no gathers in the rollout or the update, one
-    all-reduce of the LoRA's gradients per optimizer step), else shard it with FSDP2; full
-    fine-tuning shards (FSDP2: its optimizer state is the whole model's)."""
-    fsdp = cfg.model.fsdp
-    if fsdp.version is not None:
-        return
-    if cfg.trainer.n_workers == 1:
-        fsdp.version = 0
-        return
-    if cfg.model.lora is None:
-        fsdp.version = 2
-        return
-    budget, _ = memory_budget(cfg.trainer, runs_on_cuda(cfg.trainer))
-    fits = budget is None or estimate_memory(cfg, family, fsdp=0)["gib_per_gpu"]["total"] <= budget
-    fsdp.version = 0 if fits else 2
-
-
-def check_memory(cfg: TrainConfig, family: ModelFamily) -> None:
-    """The run's estimated peak per device (`estimate_memory`) fits the device
-    (`memory_budget`). Full fine-tuning is not estimated yet, so not checked."""
-    budget, budget_name = memory_budget(cfg.trainer, runs_on_cuda(cfg.trainer))
-    if budget is None or cfg.model.lora is None:
-        return
-    row = estimate_memory(cfg, family)
-    if row["gib_per_gpu"]["total"] > budget:
-        checkpointed = None if cfg.model.gradient_checkpointing else estimate_memory(cfg, family, checkpointing=True)
-        raise ConfigError(memory_message(family, row, checkpointed, budget_name))
-
-
-def memory_message(family: ModelFamily, row: dict, checkpointed: dict | None, budget_name: str) -> str:
-    """Why a run does not fit: its estimate, the keys that drive it and what would lower it."""
-    gib, phase = row["gib_per_gpu"], peak_phase(row)
-    frames = f"rollout.num_frames={row['num_frames']}, " if family.video else ""
-    where = f"activations {gib['activations']} GiB of it" if phase == "train" else "activations not counted there"
-    ways = [f"lower {'rollout.num_frames, ' if family.video else ''}rollout.resolution or trainer.micro_batch_size",
-            "shard the weights over more workers (trainer.n_workers)"]  # fmt: skip
-    if checkpointed is not None:
-        ways.append(f"enable gradient checkpointing (model.gradient_checkpointing=true: about {checkpointed['gib_per_gpu']['total']} GiB)")
-    return (
-        f"{row['arch']}: the run needs about {gib['total']} GiB per device, more than {budget_name} "
-        f"({frames}rollout.resolution={row['resolution']}, trainer.micro_batch_size={row['micro_batch']}, "
-        f"trainer.n_workers={row['workers']}, model.gradient_checkpointing={str(row['checkpointing']).lower()}, "
-        f"model.dtype={row['dtype']}; the peak is its {phase} phase, {where}): {', or '.join(ways)}. "
-        "The estimate is omni/memory.py's (python scripts/estimate_memory.py prints its parts); "
-        "to run anyway, give a larger trainer.device_memory_gib"
     )
 
 
