@@ -25,7 +25,6 @@ from omni.checkpoint import CheckpointMismatch, DamagedCheckpoint, check_checkpo
 from omni.config import TrainConfig
 from omni.config.errors import ConfigError, require
 from omni.config.model import DType
-from omni.config.rollout import SDEType
 from omni.data.prompts import load_prompts
 from omni.memory import check_memory, resolve_fsdp_version
 from omni.models import get_family
@@ -120,20 +119,12 @@ def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
         rollout.resolution > 0 and rollout.resolution % multiple == 0,
         f"rollout.resolution={rollout.resolution}: this model takes multiples of {multiple} (VAE factor x patch size)",
     )
-    require(rollout.num_steps >= 2, f"rollout.num_steps={rollout.num_steps}: need at least 2")
     require(rollout.fps > 0, f"rollout.fps={rollout.fps} must be positive")
     require(
         family.video or rollout.num_frames == 1,
         f"rollout.num_frames={rollout.num_frames}: model.family={family.name} makes images (1 frame); frames are for video models",
     )
-    require(rollout.noise_level > 0, f"rollout.noise_level={rollout.noise_level} must be positive")
-    require(
-        rollout.sde_type != SDEType.cps or rollout.noise_level <= 1,
-        f"rollout.noise_level={rollout.noise_level} with rollout.sde_type=cps: CPS's eta must be in (0, 1] "
-        f"(its step to sigma' has std sigma' sin(eta pi / 2))",
-    )
     require(rollout.guidance_scale >= 0, f"rollout.guidance_scale={rollout.guidance_scale} must be >= 0 (1 or less: no CFG)")
-    require(rollout.micro_batch_size > 0, "rollout.micro_batch_size must be positive")
     check_share_actor(cfg)
     check_shared_actor_options(cfg)
     check_full_finetuning_sync(cfg)

@@ -11,6 +11,8 @@ from typing import List, Optional
 
 from omegaconf import MISSING
 
+from omni.config.errors import require
+
 
 def engine_names() -> List[str]:
     """The rollout engines: the modules omni/rollout/<engine>_engine.py, listed without
@@ -71,3 +73,15 @@ class RolloutConfig:
     # Keep the text encoders on the CPU between encodings (each prompt's conditioning is
     # cached); they visit the device only to encode prompts not seen lately.
     offload_text_encoders: bool = True
+
+    def __post_init__(self) -> None:
+        """The rules on this group's own fields, run when validation builds the schema objects
+        (before any model loads); rules across groups are omni.validation's."""
+        require(self.num_steps >= 2, f"rollout.num_steps={self.num_steps}: need at least 2")
+        require(self.noise_level > 0, f"rollout.noise_level={self.noise_level} must be positive")
+        require(
+            self.sde_type != SDEType.cps or self.noise_level <= 1,
+            f"rollout.noise_level={self.noise_level} with rollout.sde_type=cps: CPS's eta must be in (0, 1] "
+            f"(its step to sigma' has std sigma' sin(eta pi / 2))",
+        )
+        require(self.micro_batch_size > 0, "rollout.micro_batch_size must be positive")
