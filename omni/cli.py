@@ -15,7 +15,8 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from omni.config import CONFIG_PATH, register_configs
+from omni.config import CONFIG_PATH
+from omni.registration import register_configs
 from omni.config.presets import describe_model_algorithm_preset
 
 register_configs()

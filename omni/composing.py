@@ -16,7 +16,8 @@ def compose_train(overrides: Sequence[str] = (), return_hydra_config: bool = Fal
     Hydra's own node too (a sweeper's settings)."""
     from hydra import compose, initialize_config_dir
 
-    from omni.config import CONF_DIR, register_configs
+    from omni.config import CONF_DIR
+    from omni.registration import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

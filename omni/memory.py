@@ -5,7 +5,8 @@ omni/models/configs/, or a checkpoint's own transformer/config.json): no weight 
 allocated. It counts the transformer's weights, the LoRA the run puts on it and the
 optimizer state, and estimates activations. `scripts/estimate_memory.py` prints the
 estimate for several architectures and resolutions; validation (`trainer.device_memory_gib`)
-refuses a run whose own settings exceed the device before any model loads.
+refuses a run whose own settings exceed the device before any model loads (`check_memory`,
+and `resolve_fsdp_version` for `model.fsdp.version=null`, both called by omni.validation).
 
 What is counted, per device: the actor's weights (sharded over the workers by FSDP, plus the
 two blocks it gathers at a time), the LoRA's fp32 masters, gradients and AdamW state
@@ -25,10 +26,17 @@ from __future__ import annotations
 import json
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from omni.config.rollout import shares_actor
+from omni.config.errors import ConfigError, require
+from omni.config.model import DType
+from omni.rollout import shares_actor
+
+if TYPE_CHECKING:
+    from omni.config import TrainConfig
+    from omni.models.base import ModelFamily
 
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -157,3 +165,94 @@ def peak_phase(row: dict) -> str:
     """The phase of a step (train, rollout, encode) whose memory is the estimate's peak."""
     gib = row["gib_per_gpu"]
     return max(("train", "rollout", "encode"), key=lambda phase: gib[f"{phase}_phase"])
+
+
+# ------------------------------------------------- the run's estimate against its device (validation)
+def runs_on_cuda(trainer) -> bool:
+    """Whether the run's workers compute on CUDA devices (as omni.distributed.pick_device and
+    the Ray worker group resolve trainer.device=auto)."""
+    if trainer.device != "auto":
+        return trainer.device == "cuda"
+    return trainer.n_gpus_per_node > 0 or (trainer.n_workers == 1 and torch.cuda.is_available())
+
+
+def memory_budget(trainer, on_cuda: bool) -> tuple:
+    """GiB one device of the run may hold (`trainer.device_memory_gib`, else a CUDA device's
+    total, else None: not checked) and how a message names it."""
+    budget = trainer.device_memory_gib
+    require(
+        budget is None or budget >= 0.01,
+        f"trainer.device_memory_gib={budget} must be at least 0.01 (GiB, the estimate's precision), or null for the CUDA device's total",
+    )
+    if budget is not None:
+        return budget, f"trainer.device_memory_gib={budget}"
+    total = device_total_gib() if on_cuda else None
+    return total, f"the CUDA device's {total:.1f} GiB (trainer.device_memory_gib=null)" if total else None
+
+
+def estimate_memory(cfg: TrainConfig, family: ModelFamily, **changes) -> dict:
+    """omni/memory.py's estimate of the run's peak per device (its transformer built on the
+    meta device, its own frames, resolution, micro-batch, workers, sharding, LoRA, dtype and
+    checkpointing), with `changes` to those settings."""
+    model = cfg.model
+    tiny = model.tiny_seed is not None
+    config = family.tiny_transformer_config() if tiny else family.transformer_config(model.path)
+    arch = f"model.tiny_seed={model.tiny_seed} (tiny {family.name})" if tiny else f"model.path={model.path}"
+    on_cuda = runs_on_cuda(cfg.trainer)
+    dtype = model.dtype.value if model.dtype != DType.auto else ("bfloat16" if on_cuda else "float32")
+    sizes = count(family, config, model.lora)
+    if tiny:  # the family's text encoders and VAE are the published ones; a tiny model's weigh under a megabyte
+        sizes.update(text_encoder_params=0, vae_params=0)
+    frames = cfg.rollout.num_frames if family.video else 1
+    settings = {**run_settings(cfg, family, dtype), **changes}
+    return configuration(family, config, sizes, arch, cfg.rollout.resolution, frames, model.max_sequence_length, **settings)
+
+
+def resolve_fsdp_version(cfg: TrainConfig, family: ModelFamily) -> None:
+    """`model.fsdp.version=null`: one worker shards nothing (0); several workers replicate a
+    LoRA run's base when it fits each device (0: no gathers in the rollout or the update, one
+    all-reduce of the LoRA's gradients per optimizer step), else shard it with FSDP2; full
+    fine-tuning shards (FSDP2: its optimizer state is the whole model's)."""
+    fsdp = cfg.model.fsdp
+    if fsdp.version is not None:
+        return
+    if cfg.trainer.n_workers == 1:
+        fsdp.version = 0
+        return
+    if cfg.model.lora is None:
+        fsdp.version = 2
+        return
+    budget, _ = memory_budget(cfg.trainer, runs_on_cuda(cfg.trainer))
+    fits = budget is None or estimate_memory(cfg, family, fsdp=0)["gib_per_gpu"]["total"] <= budget
+    fsdp.version = 0 if fits else 2
+
+
+def check_memory(cfg: TrainConfig, family: ModelFamily) -> None:
+    """The run's estimated peak per device (`estimate_memory`) fits the device
+    (`memory_budget`). Full fine-tuning is not estimated yet, so not checked."""
+    budget, budget_name = memory_budget(cfg.trainer, runs_on_cuda(cfg.trainer))
+    if budget is None or cfg.model.lora is None:
+        return
+    row = estimate_memory(cfg, family)
+    if row["gib_per_gpu"]["total"] > budget:
+        checkpointed = None if cfg.model.gradient_checkpointing else estimate_memory(cfg, family, checkpointing=True)
+        raise ConfigError(memory_message(family, row, checkpointed, budget_name))
+
+
+def memory_message(family: ModelFamily, row: dict, checkpointed: dict | None, budget_name: str) -> str:
+    """Why a run does not fit: its estimate, the keys that drive it and what would lower it."""
+    gib, phase = row["gib_per_gpu"], peak_phase(row)
+    frames = f"rollout.num_frames={row['num_frames']}, " if family.video else ""
+    where = f"activations {gib['activations']} GiB of it" if phase == "train" else "activations not counted there"
+    ways = [f"lower {'rollout.num_frames, ' if family.video else ''}rollout.resolution or trainer.micro_batch_size",
+            "shard the weights over more workers (trainer.n_workers)"]  # fmt: skip
+    if checkpointed is not None:
+        ways.append(f"enable gradient checkpointing (model.gradient_checkpointing=true: about {checkpointed['gib_per_gpu']['total']} GiB)")
+    return (
+        f"{row['arch']}: the run needs about {gib['total']} GiB per device, more than {budget_name} "
+        f"({frames}rollout.resolution={row['resolution']}, trainer.micro_batch_size={row['micro_batch']}, "
+        f"trainer.n_workers={row['workers']}, model.gradient_checkpointing={str(row['checkpointing']).lower()}, "
+        f"model.dtype={row['dtype']}; the peak is its {phase} phase, {where}): {', or '.join(ways)}. "
+        "The estimate is omni/memory.py's (python scripts/estimate_memory.py prints its parts); "
+        "to run anyway, give a larger trainer.device_memory_gib"
+    )

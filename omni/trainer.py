@@ -27,7 +27,7 @@ from omni.atomic import write_text
 from omni.algorithms import get_algorithm
 from omni.config import TrainConfig
 from omni.config.errors import ConfigError, require
-from omni.config.validate import validate
+from omni.validation import validate
 from omni.context import StepContext, means, step_seeds
 from omni.data.prompts import load_prompts
 from omni.ema import LoraEMA

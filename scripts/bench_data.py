@@ -46,7 +46,7 @@ ENCODER = "model.vae_inversion_steps=0"
 
 def child(args) -> None:
     """One measured run in this process: set-up, `--steps` steps, optionally one evaluation."""
-    from omni.config.validate import validate
+    from omni.validation import validate
     from omni.trainer import Trainer, model_path
     from omni.workers import build_actor_rollout
     from tests.conftest import compose_config

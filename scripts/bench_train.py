@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from omni.composing import compose_train
-from omni.config.validate import validate
+from omni.validation import validate
 from omni.algorithms import flow_grpo
 from omni.context import step_seeds
 from omni.rewards.base import Reward, RewardOptions

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from omni.composing import compose_train
-from omni.config.validate import validate
+from omni.validation import validate
 from omni.trainer import Trainer
 
 # inside the workers: the update's seconds, and those of a replicated base's gradient all-reduces

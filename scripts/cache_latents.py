@@ -19,7 +19,7 @@ from pathlib import Path
 
 def run_config(overrides):
     from omni.composing import compose_train
-    from omni.config.validate import validate
+    from omni.validation import validate
 
     return validate(compose_train(["output_dir=/tmp/cache-latents", *overrides]))
 

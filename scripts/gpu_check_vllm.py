@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from omni.config.model import LoraConfig
-from omni.config.rollout import VllmOptions
+from omni.rollout.vllm_options import VllmOptions
 from omni.models.sd3 import FAMILY, build_tiny_sd3_pipeline, build_tiny_transformer
 from omni.rollout.base import SamplingOptions
 from omni.rollout.diffusers_engine import load_diffusers_engine

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from omni.config.validate import validate
+from omni.validation import validate
 from tests.conftest import compose_config
 
 from omni.bench import flow_grpo as bench

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from omni import checkpoint
-from omni.config.validate import validate
+from omni.validation import validate
 from omni.ema import LoraEMA
 from omni.trainer import Trainer
 from tests.conftest import compose_config

@@ -123,7 +123,7 @@ def test_a_run_checks_the_estimate_this_script_prints(wan_14b_dir, capsys):
     """Validation refuses a Wan2.1-14B run on 8 GPUs exactly when its own settings need more
     than trainer.device_memory_gib by the script's estimate; its hint's checkpointed figure is
     the script's too."""
-    from omni.config.validate import ConfigError, validate
+    from omni.validation import ConfigError, validate
     from tests.conftest import compose_config
 
     run = ["model=wan", f"model.path={wan_14b_dir}", "reward=frame_brightness", "trainer=gpu", "trainer.n_workers=8",
@@ -143,13 +143,13 @@ def test_without_a_budget_a_cuda_run_gets_the_devices_memory_and_a_cpu_run_no_ch
     """trainer.device_memory_gib=null: the 14B's 81 frames at 480 px (hundreds of GiB) pass
     unchecked on the CPU; on CUDA the device's total is the budget (here a simulated 80 GiB
     device: this machine may have none)."""
-    import omni.config.validate as validation
-    from omni.config.validate import ConfigError, validate
+    import omni.memory as memory
+    from omni.validation import ConfigError, validate
     from tests.conftest import compose_config
 
     run = ["model=wan", f"model.path={wan_14b_dir}", "reward=frame_brightness", "rollout.num_frames=81"]
     validate(compose_config([*run, "trainer.device=cpu"]))
-    monkeypatch.setattr(validation, "device_total_gib", lambda: 80.0)
+    monkeypatch.setattr(memory, "device_total_gib", lambda: 80.0)
     with pytest.raises(ConfigError, match=r"more than the CUDA device's 80.0 GiB \(trainer.device_memory_gib=null\)"):
         validate(compose_config([*run, "trainer=gpu"]))
 
@@ -158,7 +158,8 @@ def test_unset_sharding_replicates_a_lora_base_only_where_it_fits(wan_14b_dir, t
     """model.fsdp.version=null: several workers replicate a LoRA run's base when the run's
     replicated estimate fits the budget, else shard it with FSDP2; one worker shards nothing;
     full fine-tuning shards; a version given is kept."""
-    from omni.config.validate import estimate_memory, validate
+    from omni.memory import estimate_memory
+    from omni.validation import validate
     from omni.models import get_family
     from tests.conftest import compose_config
 

@@ -436,7 +436,7 @@ def _wan_worker_cell(wan_dir: str, run_dir: str):
     re-scores the engine's new clips' SDE transitions to 1e-5; before the sync the engine's
     log-probs are stale (the step moved the actor, so agreement is not trivial)."""
     from omni.algorithms import flow_grpo
-    from omni.config.validate import validate
+    from omni.validation import validate
     from omni.workers.actor_rollout import ActorRolloutWorker
     from tests.conftest import compose_config, training_options
     from tests.workers.test_actor_rollout import rescore

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from omni.config.validate import validate
+from omni.validation import validate
 from omni.loggers import MetricsLogger, image_grid
 from tests.conftest import compose_config
 

@@ -8,7 +8,7 @@ import torch
 
 from omni import checkpoint
 from omni.algorithms import flow_grpo
-from omni.config.validate import ConfigError, validate
+from omni.validation import ConfigError, validate
 from omni.models.sd3 import FAMILY
 from omni.rewards import NonFiniteReward
 from omni.rewards.brightness import Brightness

@@ -18,12 +18,16 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from omni.config.algorithm import AlgorithmConfig
 from omni.context import StepContext, means, step_seeds
 from omni.data.prompts import items_for_step
 from omni.rollout.base import RolloutBatch
 
 
 class Algorithm:
+    # The algorithm's options (an AlgorithmConfig subclass), stored as schema/algorithm/<name>.
+    Options = AlgorithmConfig
+
     def __init__(self, ctx: StepContext):
         self.ctx, self.cfg = ctx, ctx.cfg
 

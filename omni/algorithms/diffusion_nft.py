@@ -35,6 +35,7 @@ from omni.algorithms.base import Algorithm, grouped_rollout
 from omni.algorithms.dpo import noisy_latents, sample_sigmas
 from omni.algorithms.flow_grpo import check_groups, clip_advantages, masked_group_advantages
 from omni import seeding
+from omni.config.algorithm import AdvantageNorm, AlgorithmConfig, SigmaSampling
 from omni.config.errors import require
 from omni.config.rollout import SDEType
 from omni.context import update_seed
@@ -71,6 +72,23 @@ def nft_loss(velocity, old_velocity, noisy, sigmas, clean, r, beta: float, adv_c
 
 
 # ----------------------------------------------------------------- the update, on a worker
+@dataclass
+class DiffusionNFTConfig(AlgorithmConfig):
+    """DiffusionNFT: forward-process training on ODE rollouts."""
+
+    group_size: int = 8
+    adv_norm: AdvantageNorm = AdvantageNorm["group"]
+    # Advantages are clipped to +-adv_clip_max, then mapped to optimality in [0, 1].
+    adv_clip_max: float = 5.0
+    # How far the implicit policies reach from the rollout policy.
+    beta: float = 1.0
+    # Noise levels drawn per clean latent, and how.
+    timesteps_per_sample: int = 2
+    sigma_sampling: SigmaSampling = SigmaSampling.uniform
+    num_inner_epochs: int = 1
+    num_minibatches: int = 2
+
+
 @dataclass
 class NFTBatch:
     """Clean latents of the rollouts, their conditioning and optimality probabilities."""
@@ -167,6 +185,8 @@ def update(worker, batch: NFTBatch, seed: int, first: int = 0, total: int = 0) -
 class DiffusionNFT(Algorithm):
     """prompts -> ODE rollout (no log-probs) -> reward -> group advantages -> optimality
     probabilities -> forward-process update of the LoRA -> weight sync."""
+
+    Options = DiffusionNFTConfig  # its options: schema/algorithm/diffusion_nft
 
     @classmethod
     def check_config(cls, cfg) -> None:

@@ -37,6 +37,7 @@ import glob
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -47,7 +48,7 @@ from tqdm import tqdm
 from omni.algorithms.base import Algorithm
 from omni import seeding
 from omni.algorithms.dpo_pairs import EVAL_CHUNK, PairBatch, PairData, split_digest
-from omni.config.algorithm import SigmaSampling
+from omni.config.algorithm import AlgorithmConfig, SigmaSampling
 from omni.config.errors import require
 from omni.context import update_seed
 
@@ -56,6 +57,16 @@ logger = logging.getLogger(__name__)
 SIGMA_MODES = tuple(mode.value for mode in SigmaSampling)
 SIGMA_EPS = 1e-5  # keeps sigmas strictly inside (0, 1): sigma = 0 or 1 is a degenerate noise level
 REFERENCE_CHUNK = EVAL_CHUNK  # pairs the reference scores in one forward (no gradients, as in evaluation)
+
+
+@dataclass
+class DPOConfig(AlgorithmConfig):
+    # Strength of the pull towards the reference (Diffusion-DPO's beta).
+    beta: float = 2500.0
+    # How training noise levels are drawn.
+    sigma_sampling: SigmaSampling = SigmaSampling.logit_normal
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
 
 
 def sample_sigmas(
@@ -229,6 +240,8 @@ def mean_over_chunks(parts) -> Dict[str, float]:
 
 
 class OfflineDPO(Algorithm):
+    Options = DPOConfig  # its options: schema/algorithm/dpo
+
     @classmethod
     def uses_reference(cls, cfg) -> bool:
         return True  # every logit compares the policy's error with the reference's

@@ -22,12 +22,14 @@ first optimizer step (`rollout_step_means`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, Tuple
 
 import torch
 
 from omni.algorithms.flow_grpo import (
     FlowGRPO,
+    GroupPolicyConfig,
     GRPOBatch,
     OldSteps,
     ScoredSteps,
@@ -58,6 +60,15 @@ def dppo_loss(policy: ScoredSteps, old: OldSteps, algo) -> Tuple[torch.Tensor, D
     return loss, {"mask_fraction": masked, "ratio": ratio.mean(), "kl_old": kl.mean()}
 
 
+@dataclass
+class FlowDPPOConfig(GroupPolicyConfig):
+    """Flow-DPPO: a trust region on the Gaussian KL of each step instead of ratio clipping."""
+
+    # A transition whose KL(current step || rollout step), averaged over the latent, exceeds
+    # this stops contributing once its ratio moves further in its advantage's direction.
+    kl_mask_threshold: float = 1e-6
+
+
 def update(worker, batch: GRPOBatch, seed: int, first: int = 0, total: int = 0) -> Dict[str, float]:
     """Flow-DPPO's update on a worker: Flow-GRPO's, with the trust-region mask."""
     return run_update(worker, batch, seed, first, dppo_loss, needs_old_means=True)
@@ -65,6 +76,8 @@ def update(worker, batch: GRPOBatch, seed: int, first: int = 0, total: int = 0) 
 
 class FlowDPPO(FlowGRPO):
     """Flow-GRPO's step; the update masks by the steps' divergence instead of clipping."""
+
+    Options = FlowDPPOConfig  # its options: schema/algorithm/flow_dppo
 
     update = staticmethod(update)
 

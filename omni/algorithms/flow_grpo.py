@@ -23,13 +23,44 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from omni.algorithms.base import Algorithm, grouped_rollout
-from omni.config.algorithm import CFGGradient
+from omni.config.algorithm import AdvantageNorm, AlgorithmConfig, CFGGradient, KLType
 from omni.config.errors import require
 from omni import seeding
 from omni.context import update_seed
 from omni.models import get_family
 from omni.rollout.base import RolloutBatch
 from omni.rollout.sde import noisy_steps, sde_step
+
+
+@dataclass
+class GroupPolicyConfig(AlgorithmConfig):
+    """What every group-advantage, per-denoising-step policy algorithm shares."""
+
+    # Images sampled per prompt; advantages are normalised within each group.
+    group_size: int = 8
+    adv_clip_max: float = 5.0
+    # How advantages are scaled after subtracting the group mean (see AdvantageNorm).
+    adv_norm: AdvantageNorm = AdvantageNorm["group"]
+    # Weight of the KL to the reference (the same transformer, adapters disabled).
+    kl_coef: float = 0.0
+    # What the KL compares (see KLType).
+    kl_type: KLType = KLType.latent
+    # Flow-GRPO-Fast: SDE only on a window of this many steps (0: every step is SDE).
+    sde_window_size: int = 0
+    # Range [lo, hi] of the steps the window may start at (drawn per rollout batch).
+    sde_window_range: Optional[List[int]] = None
+    # Passes over each rollout batch, each split into this many optimizer steps.
+    num_inner_epochs: int = 1
+    num_minibatches: int = 2
+    # Under classifier-free guidance, the gradient through both passes or the conditional one.
+    cfg_gradient: CFGGradient = CFGGradient.both
+
+
+@dataclass
+class FlowGRPOConfig(GroupPolicyConfig):
+    """Flow-GRPO and GRPO-Guard: PPO's ratio clipping."""
+
+    clip_range: float = 1e-4
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, norm: str = "group", eps: float = 1e-4):
@@ -286,6 +317,8 @@ class FlowGRPO(Algorithm):
     """prompts -> SDE rollout -> reward -> group advantages -> clipped-ratio update of the
     LoRA -> weight sync into the rollout engine. Variants change only the worker-side
     `update` (a module-level function, so a Ray group can ship it)."""
+
+    Options = FlowGRPOConfig  # its options: schema/algorithm/flow_grpo
 
     update = staticmethod(update)
 

@@ -20,9 +20,10 @@ the same; the ODE steps carry no log-prob and are not trained.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Tuple
 
-from omni.algorithms.flow_grpo import FlowGRPO
+from omni.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
 from omni.config.errors import require
 from omni.rollout.sde import noisy_steps
 
@@ -33,8 +34,20 @@ def sliding_window(step: int, size: int, stride: int, shift_interval: int, avail
     return start, start + size
 
 
+@dataclass
+class MixGRPOConfig(FlowGRPOConfig):
+    """MixGRPO: Flow-GRPO on a sliding SDE window."""
+
+    sde_window_size: int = 4
+    # The window moves this many denoising steps later every `shift_interval` training steps.
+    window_stride: int = 1
+    shift_interval: int = 10
+
+
 class MixGRPO(FlowGRPO):
     """Flow-GRPO's step and update on a sliding SDE window."""
+
+    Options = MixGRPOConfig  # its options: schema/algorithm/mix_grpo
 
     @classmethod
     def check_config(cls, cfg) -> None:

@@ -9,6 +9,7 @@ pair and is counted). The pairs' final latents train the LoRA with Diffusion-DPO
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Dict
 
 import torch
@@ -17,6 +18,12 @@ from omni.algorithms import dpo
 from omni.algorithms.base import Algorithm, grouped_rollout
 from omni.algorithms.flow_grpo import check_groups
 from omni.context import update_seed
+
+
+@dataclass
+class OnlineDPOConfig(dpo.DPOConfig):
+    # Images sampled per prompt; its best and worst by reward form a pair.
+    group_size: int = 8
 
 
 def best_and_worst(rewards: torch.Tensor, group_size: int, tie_tolerance: float = 1e-8):
@@ -34,6 +41,8 @@ def best_and_worst(rewards: torch.Tensor, group_size: int, tie_tolerance: float 
 
 
 class OnlineDPO(Algorithm):
+    Options = OnlineDPOConfig  # its options: schema/algorithm/online_dpo
+
     @classmethod
     def uses_reference(cls, cfg) -> bool:
         return True  # Diffusion-DPO's loss, as offline

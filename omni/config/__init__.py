@@ -1,10 +1,10 @@
 """Typed configuration: the schemas of every config group and their registration with Hydra.
 
 The config groups ship in the package, in omni/conf/ (`CONF_DIR`; Hydra's `CONFIG_PATH`).
-`omni/conf/train.yaml` starts from the `train_schema` node registered here, so each group's YAML
+`omni/conf/train.yaml` starts from the `train_schema` node (registered by `omni.registration`), so each group's YAML
 merges into a typed dataclass: an unknown key or a wrong type fails at composition, naming
 the key (a key appended with `+key=value` gets past Hydra's check; validation's first step,
-`omni.config.validate.to_schema`, refuses it). Defaults live in the dataclasses; the YAML
+`omni.validation.to_schema`, refuses it). Defaults live in the dataclasses; the YAML
 files state only what differs, and a mandatory field (`???`) may carry a `hint` in its
 metadata: what the error of a missing value tells the user to pass.
 """
@@ -12,32 +12,19 @@ metadata: what the error of a missing value tells the user to pass.
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from omni.config.algorithm import (
-    AlgorithmConfig,
-    DiffusionNFTConfig,
-    DPOConfig,
-    FlowDPPOConfig,
-    FlowGRPOConfig,
-    MixGRPOConfig,
-    OnlineDPOConfig,
-)
+from omni.config.algorithm import AlgorithmConfig
 from omni.config.data import DataConfig
 from omni.config.logger import LoggerConfig
 from omni.config.model import FSDPConfig, LoraConfig, ModelConfig
 from omni.config.reward import RewardConfig
-from omni.config.rollout import RolloutConfig, VllmRolloutConfig
+from omni.config.rollout import RolloutConfig
 from omni.config.trainer import TrainerConfig
-from omni.rewards import REWARDS
 
 # The config groups: a folder of the package, so an installed (non-editable) omni-recipes has them.
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 CONFIG_PATH = "pkg://omni.conf"
-
-ALGORITHM_SCHEMAS = {"flow_grpo": FlowGRPOConfig, "flow_dppo": FlowDPPOConfig, "dpo": DPOConfig, "online_dpo": OnlineDPOConfig,
-                     "diffusion_nft": DiffusionNFTConfig, "mix_grpo": MixGRPOConfig}
 
 
 @dataclass
@@ -53,35 +40,17 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
-def register_configs() -> None:
-    """Store the schemas in Hydra's ConfigStore (idempotent)."""
-    cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
-    for name, schema in ALGORITHM_SCHEMAS.items():
-        cs.store(group="schema/algorithm", name=name, node=schema)
-    cs.store(group="schema/rollout", name="vllm", node=VllmRolloutConfig)
-    for name in REWARDS.names():  # each reward's options, typed at composition
-        cs.store(group="schema/reward", name=name, node=REWARDS.get(name).Options)
-
-
 __all__ = [
     "CONFIG_PATH",
     "CONF_DIR",
     "AlgorithmConfig",
-    "DPOConfig",
-    "DiffusionNFTConfig",
     "DataConfig",
     "FSDPConfig",
-    "FlowDPPOConfig",
-    "FlowGRPOConfig",
     "LoggerConfig",
-    "MixGRPOConfig",
     "LoraConfig",
     "ModelConfig",
-    "OnlineDPOConfig",
     "RewardConfig",
     "RolloutConfig",
     "TrainConfig",
     "TrainerConfig",
-    "register_configs",
 ]

@@ -11,7 +11,7 @@ from omegaconf import MISSING
 class DataConfig:
     # A path, or `omni:<name>` for a prompt set shipped with the package. Mandatory: the
     # data group's options name one; data=prompts (the published-run presets) leaves it to you.
-    # A `hint` says, when the value is missing, what to pass (omni.config.validate).
+    # A `hint` says, when the value is missing, what to pass (omni.validation).
     train: str = field(
         default=MISSING,
         metadata={"hint": "pass data.train=/path/to/prompts.txt (one prompt a line; JSONL or CSV also read) "

@@ -1,23 +1,30 @@
-"""Schema of the `rollout` group: the engine that samples images and their log-probs."""
+"""Schema of the `rollout` group: the engine that samples images and their log-probs.
 
-from dataclasses import dataclass, field
+What every engine takes; an engine with options of its own declares them in its module
+(`Options`, a subclass of `RolloutConfig`, stored as `schema/rollout/<engine>`)."""
+
+import importlib.metadata
+from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Dict, Optional
+from pathlib import Path
+from typing import List, Optional
 
 from omegaconf import MISSING
 
-
-class Engine(str, Enum):
-    """A module omni/rollout/<engine>_engine.py."""
-
-    diffusers = "diffusers"
-    vllm = "vllm"
+from omni.config.errors import require
 
 
-class VllmBackend(str, Enum):
-    vllm = "vllm"  # vLLM-Omni serves our pipeline
-    native = "native"  # vLLM-Omni's own pipeline of the family, with our SDE scheduler (SD3, FLUX, Qwen-Image)
-    local = "local"  # the same pipeline in the engine process without vLLM-Omni (tests, debugging)
+def engine_names() -> List[str]:
+    """The rollout engines: the modules omni/rollout/<engine>_engine.py, listed without
+    importing them (so a new engine is a new module, and a misspelt one still fails at
+    composition, naming `rollout.engine`)."""
+    found = {path.name[: -len("_engine.py")] for path in (Path(__file__).resolve().parents[1] / "rollout").glob("*_engine.py")}
+    # and a plugin's engine: an entry point of omni_recipes.rollout (see omni.registry)
+    return sorted(found | {point.name for point in importlib.metadata.entry_points(group="omni_recipes.rollout")})
+
+
+# The closed set of `rollout.engine`, discovered (an engine's options and checks are in its module).
+Engine = Enum("Engine", [(name, name) for name in engine_names()], type=str, module=__name__)
 
 
 class SDEType(str, Enum):
@@ -67,38 +74,14 @@ class RolloutConfig:
     # cached); they visit the device only to encode prompts not seen lately.
     offload_text_encoders: bool = True
 
-
-def shares_actor(cfg) -> bool:
-    """Whether the engine samples with the actor's transformer (`rollout.share_actor`)."""
-    possible = Engine(cfg.rollout.engine) == Engine.diffusers and (cfg.trainer.n_workers == 1 or cfg.model.fsdp.version in (None, 0, 2))
-    return possible if cfg.rollout.share_actor is None else cfg.rollout.share_actor
-
-
-@dataclass
-class VllmOptions:
-    """`rollout.options` of rollout=vllm (see omni/rollout/vllm_engine.py)."""
-
-    # Attach to a running engine (http://host:port) instead of starting one.
-    url: Optional[str] = None
-    # Python of the engine's environment; default: $OMNI_VLLM_PYTHON, then the env that
-    # scripts/install_vllm_engine.sh creates, then this python if it has vllm_omni.
-    python: Optional[str] = None
-    # Where weight syncs are written; the engine must be able to read it (default: run dir).
-    shared_dir: Optional[str] = None
-    backend: VllmBackend = VllmBackend.vllm
-    startup_timeout: float = 1800.0
-    request_timeout: float = 3600.0
-    # Further tries of a call (not /shutdown) whose connection failed or broke, or that a
-    # proxy answered 502/503/504; calls are safe to repeat (seeded rollouts, syncs by path).
-    retries: int = 3
-    # Wait before the first retry in seconds; doubled for each next one, at most max_backoff_s.
-    backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
-    # Extra keyword arguments of vLLM-Omni's AsyncOmni (e.g. {enforce_eager: false}).
-    engine_args: Dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class VllmRolloutConfig(RolloutConfig):
-    engine: Engine = Engine.vllm
-    options: VllmOptions = field(default_factory=VllmOptions)
+    def __post_init__(self) -> None:
+        """The rules on this group's own fields, run when validation builds the schema objects
+        (before any model loads); rules across groups are omni.validation's."""
+        require(self.num_steps >= 2, f"rollout.num_steps={self.num_steps}: need at least 2")
+        require(self.noise_level > 0, f"rollout.noise_level={self.noise_level} must be positive")
+        require(
+            self.sde_type != SDEType.cps or self.noise_level <= 1,
+            f"rollout.noise_level={self.noise_level} with rollout.sde_type=cps: CPS's eta must be in (0, 1] "
+            f"(its step to sigma' has std sigma' sin(eta pi / 2))",
+        )
+        require(self.micro_batch_size > 0, "rollout.micro_batch_size must be positive")

@@ -21,6 +21,7 @@ import contextlib
 import torch
 
 from omni.config.algorithm import CFGGradient
+from omni.config.rollout import RolloutConfig
 from omni.config.model import LoraConfig
 from omni.models.base import Conditioning, ModelFamily
 from omni.rollout.base import RolloutBatch, SamplingOptions
@@ -152,6 +153,15 @@ def load_diffusers_engine(
     return DiffusersEngine(
         family, pipe, device, dtype, micro_batch_size, load_base, actor, offload_text_encoders, vae_inversion_steps, keep_uncond
     )
+
+
+Options = RolloutConfig  # rollout=diffusers takes the options every engine takes
+
+
+def can_share_actor(cfg) -> bool:
+    """In process, it can sample with the actor's transformer: with one worker, or with FSDP2
+    or a replicated base (whose shards are gathered for sampling)."""
+    return cfg.trainer.n_workers == 1 or cfg.model.fsdp.version in (None, 0, 2)
 
 
 def build(cfg, family: ModelFamily, model_path: str, device: torch.device, dtype: torch.dtype, actor=None) -> DiffusersEngine:

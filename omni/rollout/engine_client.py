@@ -18,7 +18,7 @@ from typing import Any, Dict, Tuple
 import torch
 
 from omni import retrying
-from omni.config.rollout import VllmOptions
+from omni.rollout.vllm_options import VllmOptions
 from omni.rollout.transport import unpack
 
 # What a proxy (or a server restarting behind one) answers; our server never does.

@@ -28,8 +28,9 @@ import torch
 from omegaconf import OmegaConf
 
 import omni
+from omni.config.errors import ConfigError, require
 from omni.config.model import LoraConfig
-from omni.config.rollout import VllmOptions
+from omni.rollout.vllm_options import VllmBackend, VllmOptions, VllmRolloutConfig
 from omni.models.base import Conditioning, ModelFamily
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.engine_client import EngineClient, EngineUnreachable, retry_policy
@@ -45,6 +46,50 @@ INSTALL_HINT = (
     "vllm-omni, or attach to a running engine with rollout.options.url=http://host:port "
     "(started by `ENV/bin/python -m omni.rollout.vllm_server --model ...`)"
 )
+
+
+Options = VllmRolloutConfig  # stored as schema/rollout/vllm (omni/conf/rollout/vllm.yaml)
+
+
+def check_config(cfg, family: ModelFamily) -> None:
+    """rollout=vllm's rules, at validation: a family it serves (backend=native checks its own),
+    an engine to start or attach to."""
+    rollout = cfg.rollout
+    require(
+        family.vllm_served or rollout.options.backend == VllmBackend.native,  # native: its own check
+        f"rollout=vllm: model.family={family.name} is not yet served by the vLLM-Omni engine; use rollout=diffusers",
+    )
+    check_vllm_rollout(rollout, family.name)
+
+
+def check_vllm_rollout(rollout, family: str) -> None:
+    """rollout=vllm: an engine to start or attach to (for backend=native, one whose vLLM-Omni
+    has the hooks the family's native pipeline uses)."""
+    problem = engine_unavailable(rollout.options, family)
+    require(problem is None, f"rollout=vllm: {problem}")
+    if rollout.options.url:
+        probe_engine(rollout.options)
+
+
+# Seconds an engine the run attaches to (rollout.options.url) has to answer /health at validation.
+ENGINE_PROBE_TIMEOUT_S = 5.0
+
+
+def probe_engine(options) -> None:
+    """The engine at rollout.options.url answers /health, within a short timeout and without
+    retries: a wrong or dead URL is named here, not after the transformer has loaded."""
+    client = EngineClient(options.url, options)
+    try:
+        client.health(retry=False, timeout=ENGINE_PROBE_TIMEOUT_S)
+    except Exception as error:  # refused, timed out, dropped, or an answer that is not the engine's
+        raise ConfigError(
+            f"rollout.options.url={options.url}: no rollout engine answered GET /health within "
+            f"{ENGINE_PROBE_TIMEOUT_S:g}s ({type(error).__name__}: {str(error)[:200]}); start it "
+            "(ENV/bin/python -m omni.rollout.vllm_server --model ... --port ...) or leave rollout.options.url "
+            "unset for the run to start one"
+        ) from None
+    finally:
+        client.close()
 
 
 def build(cfg, family: ModelFamily, model_path: str, device: torch.device, dtype: torch.dtype) -> "VllmEngine":

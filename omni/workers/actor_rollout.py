@@ -23,7 +23,7 @@ from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
-from omni.config.rollout import shares_actor
+from omni.rollout import shares_actor
 from omni.devices import torch_dtype
 from omni.distributed import destroy_process_group, init_process_group, pick_device
 from omni.fsdp_utils import collect_lora_params, state_nbytes

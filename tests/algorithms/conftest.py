@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from omni.config.validate import validate
+from omni.validation import validate
 from tests.conftest import compose_config
 
 

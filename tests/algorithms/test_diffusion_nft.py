@@ -41,7 +41,7 @@ def test_loss_and_its_gradient_at_the_rollout_policy():
 def test_update_moves_good_images_clean_estimate_closer(fresh, monkeypatch):
     """On the tiny model: after an update whose first image is good (r = 1) and second bad
     (r = 0), the policy's clean-latent estimate of the first improves relative to the second's."""
-    from omni.config.algorithm import DiffusionNFTConfig
+    from omni.algorithms.diffusion_nft import DiffusionNFTConfig
     from tests.algorithms.test_flow_grpo_update import rollout
 
     monkeypatch.setattr(fresh.cfg, "algorithm", DiffusionNFTConfig(name="diffusion_nft", timesteps_per_sample=4))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from omni.algorithms import dpo
-from omni.config.validate import validate
+from omni.validation import validate
 from omni.data.pair_loader import split_positions
 from omni.algorithms.online_dpo import best_and_worst
 from omni.trainer import Trainer

@@ -34,7 +34,7 @@ def test_inside_the_region_it_is_the_plain_policy_gradient():
 def test_update_on_the_tiny_model_raises_positive_advantage_log_prob(fresh, monkeypatch):
     from dataclasses import asdict, fields
 
-    from omni.config.algorithm import FlowDPPOConfig
+    from omni.algorithms.flow_dppo import FlowDPPOConfig
     from tests.algorithms.test_flow_grpo_update import all_log_probs, rollout
 
     shared = {k: v for k, v in asdict(fresh.cfg.algorithm).items() if k in {f.name for f in fields(FlowDPPOConfig)}}

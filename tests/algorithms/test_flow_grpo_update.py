@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from omni.algorithms import flow_grpo
-from omni.config.validate import validate
+from omni.validation import validate
 from omni.context import step_seeds
 from omni.trainer import Trainer
 from tests.conftest import compose_config, training_options
@@ -254,7 +254,7 @@ def test_conditional_cfg_gradient_is_the_conditional_pass_alone(fresh):
 
 
 def test_conditional_cfg_gradient_needs_an_unconditional_pass(tiny_cache):
-    from omni.config.validate import ConfigError
+    from omni.validation import ConfigError
 
     validate(compose_config([f"model.cache_dir={tiny_cache}", "algorithm.cfg_gradient=conditional", "rollout.guidance_scale=4.5"]))
     for overrides in (["rollout.guidance_scale=1.0"], ["model=flux_tiny", "rollout.guidance_scale=3.5"]):

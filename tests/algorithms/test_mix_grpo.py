@@ -3,7 +3,7 @@
 import pytest
 
 from omni.algorithms.mix_grpo import MixGRPO, sliding_window
-from omni.config.validate import validate
+from omni.validation import validate
 from omni.context import StepContext
 from tests.conftest import compose_config
 

@@ -3,7 +3,7 @@ any model loads, naming both keys."""
 
 import pytest
 
-from omni.config.validate import ConfigError, validate
+from omni.validation import ConfigError, validate
 from tests.conftest import compose_config
 
 BAD = {

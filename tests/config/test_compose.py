@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from omni.config.rollout import VllmOptions
-from omni.config.validate import ConfigError, validate
+from omni.rollout.vllm_options import VllmOptions
+from omni.validation import ConfigError, validate
 from omni.loggers import missing_backends
 from omni.models import get_family
 from omni.rollout.vllm_engine import engine_unavailable

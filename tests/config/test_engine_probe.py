@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from omni.config.validate import ENGINE_PROBE_TIMEOUT_S, ConfigError, validate
+from omni.rollout.vllm_engine import ENGINE_PROBE_TIMEOUT_S
+from omni.validation import ConfigError, validate
 from omni.distributed import free_port
 from tests.conftest import compose_config
 from tests.servers import dropping_server, uvicorn_server

@@ -7,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf, open_dict
 
 from omni.composing import compose_train
-from omni.config.validate import ConfigError, validate
+from omni.validation import ConfigError, validate
 from tests.conftest import CONF_DIR, compose_config
 
 

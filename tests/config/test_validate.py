@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from omni.config.validate import ConfigError, validate
+from omni.validation import ConfigError, validate
 from tests.conftest import compose_config
 
 BAD = [

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from omni.algorithms.dpo_pairs import PairData
-from omni.config.validate import validate
+from omni.validation import validate
 from omni.data import latent_cache
 from omni.data.pair_loader import PairImages, collate_pairs
 from omni.data.synthetic_pairs import write_synthetic_pairs

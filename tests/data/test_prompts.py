@@ -77,7 +77,7 @@ def test_bad_csv_rows_are_named(tmp_path, rows, line, reason):
 
 
 def test_a_csv_without_a_prompt_column_is_named_at_validation(tmp_path):
-    from omni.config.validate import ConfigError, validate
+    from omni.validation import ConfigError, validate
     from tests.conftest import compose_config
 
     path = tmp_path / "bench.csv"

@@ -96,7 +96,8 @@ def test_the_run_directory_holds_the_resolved_validated_config(two_checkpoints):
     import torch
     from omegaconf import OmegaConf
 
-    from omni.config import FlowGRPOConfig, TrainConfig
+    from omni.algorithms.flow_grpo import FlowGRPOConfig
+    from omni.config import TrainConfig
     from omni.models.sd3 import FAMILY
 
     text = (two_checkpoints / "resolved_config.yaml").read_text()

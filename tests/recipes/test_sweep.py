@@ -1,7 +1,7 @@
 """Sweeps through the real CLI on the tiny model: a Hydra multirun (an Optuna search) gives
 each job its own directory and, with 2 workers, its own Ray, started and stopped by the job,
 and the search maximises the final held-out reward that recipes/train.py returns. A sweep
-with a job that cannot run is refused before any job starts (omni/config/sweep.py)."""
+with a job that cannot run is refused before any job starts (omni/sweep.py)."""
 
 import json
 import subprocess

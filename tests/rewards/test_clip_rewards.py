@@ -93,7 +93,7 @@ def test_head_of_another_size_is_named(clip_dir, tmp_path):
     ],
 )
 def test_bad_paths_fail_at_validation(clip_dir, overrides, message):
-    from omni.config.validate import ConfigError, validate
+    from omni.validation import ConfigError, validate
     from tests.conftest import compose_config
 
     with pytest.raises(ConfigError, match=message.replace("{clip}", str(clip_dir))):

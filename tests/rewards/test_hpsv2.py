@@ -76,7 +76,7 @@ def test_the_checkpoint_weights_are_the_ones_scoring(tiny, tmp_path):
 
 
 def test_bad_paths_fail_at_validation(tmp_path):
-    from omni.config.validate import ConfigError, validate
+    from omni.validation import ConfigError, validate
     from tests.conftest import compose_config
 
     with pytest.raises(ConfigError, match="reward.components.hpsv2.path=.*nope.pt: no such file"):

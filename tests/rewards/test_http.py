@@ -154,7 +154,7 @@ def test_unreachable_server_stops_the_run_before_the_model_loads(tmp_path):
 
 
 def test_geneval_prompts_need_their_metadata():
-    from omni.config.validate import ConfigError, validate
+    from omni.validation import ConfigError, validate
     from tests.conftest import compose_config
 
     url = "reward.components.http.url=http://127.0.0.1:8000"

@@ -50,7 +50,7 @@ def test_rendered_target_beats_other_text_beats_blank(ocr):
 
 
 def test_prompts_without_target_text_fail_at_validation(tmp_path):
-    from omni.config.validate import ConfigError, validate
+    from omni.validation import ConfigError, validate
     from tests.conftest import compose_config
 
     prompts = tmp_path / "prompts.txt"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from omni import scenes
-from omni.config.validate import ConfigError, validate
+from omni.validation import ConfigError, validate
 from omni.data.prompts import Prompt, load_prompts
 from omni.rewards import WeightedReward
 from omni.rewards.scene_geneval import SceneGeneval, SceneGenevalOptions, components, detect, evaluate

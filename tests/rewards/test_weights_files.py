@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from omni.config.validate import ConfigError, validate
+from omni.validation import ConfigError, validate
 from omni.rewards.weights_files import weights_problem
 from tests.conftest import compose_config
 from tests.data.damage import truncate

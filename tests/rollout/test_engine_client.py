@@ -10,7 +10,7 @@ import time
 import fastapi
 import pytest
 
-from omni.config.rollout import VllmOptions
+from omni.rollout.vllm_options import VllmOptions
 from omni.distributed import free_port
 from omni.rollout.engine_client import EngineClient, EngineError, EngineUnreachable
 from omni.rollout.transport import pack

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from omni.config.model import LoraConfig
-from omni.config.rollout import VllmOptions
+from omni.rollout.vllm_options import VllmOptions
 from omni.models import get_family
 from omni.rollout.vllm_engine import VllmEngine
 from omni.weights import plain_base_names

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from omni.config.rollout import VllmOptions
-from omni.config.validate import ConfigError, validate
+from omni.rollout.vllm_options import VllmOptions
+from omni.validation import ConfigError, validate
 from omni.algorithms import flow_grpo
 from omni.models.sd3 import FAMILY, build_tiny_transformer
 from omni.rollout.engine_client import EngineClient

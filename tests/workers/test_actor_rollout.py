@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from omni.algorithms import flow_grpo
-from omni.config.validate import validate
+from omni.validation import validate
 from tests.conftest import compose_config, training_options
 
 

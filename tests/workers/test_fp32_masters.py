@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from omni.algorithms import flow_grpo
-from omni.config.validate import validate
+from omni.validation import validate
 from omni.context import step_seeds
 from tests.conftest import compose_config, training_options
 

@@ -8,7 +8,7 @@ import torch
 
 from omni import checkpoint
 from omni.algorithms import flow_grpo, get_algorithm
-from omni.config.validate import validate
+from omni.validation import validate
 from tests.conftest import compose_config
 from tests.workers.test_actor_rollout import OWN_COPY, rescore, rollout
 

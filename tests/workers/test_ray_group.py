@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from omni.algorithms import flow_grpo
-from omni.config.validate import validate
+from omni.validation import validate
 from omni.distributed import free_port
 from omni.context import step_seeds
 from omni.trainer import model_path

@@ -4,7 +4,7 @@ Hydra's basic sweeper composes every job before launching any (a type error or a
 key fails the whole sweep there), but our validation runs inside each job: a bad value in one
 job failed it in the middle of the sweep and failed the sweep. `ValidateSweep`, a Hydra
 callback (omni/conf/train.yaml, `hydra.callbacks`), composes and validates every job's config
-(omni.config.validate, no model loaded) when the multirun starts, and refuses the sweep
+(omni.validation, no model loaded) when the multirun starts, and refuses the sweep
 naming each bad job by its number, its overrides and its error. A sampling sweeper
 (hparams_search=optuna) draws its trials as it goes: there the sweep's fixed settings are
 validated up front, and each trial in its job.
@@ -33,7 +33,7 @@ BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
 def job_problem(config: DictConfig, loader, overrides: Sequence[str], num: int) -> Optional[str]:
     """Why job `num` of a sweep cannot run (its composition or validation error), or None."""
-    from omni.config.validate import validate
+    from omni.validation import validate
 
     try:
         job = loader.load_sweep_config(master_config=config, sweep_overrides=list(overrides))

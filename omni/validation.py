@@ -5,7 +5,9 @@ composed config once into the schema objects (`TrainConfig` and its dataclasses,
 closed sets), fills what other groups leave to the model family (resolution, guidance, LoRA
 targets; float32 for full fine-tuning, `model.lora=null`), types each reward's options,
 checks every rule (each error names the keys involved; an engine to attach to must answer)
-and returns the config the run uses.
+and returns the config the run uses. The engine's own rules are its module's `check_config`
+(omni/rollout/<engine>_engine.py), the algorithm's its class's `check_config`, and the memory
+estimate against the device (and `model.fsdp.version=null`'s choice) is omni/memory.py's.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import dataclasses
 import re
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from omni.algorithms import get_algorithm
@@ -24,12 +25,12 @@ from omni.checkpoint import CheckpointMismatch, DamagedCheckpoint, check_checkpo
 from omni.config import TrainConfig
 from omni.config.errors import ConfigError, require
 from omni.config.model import DType
-from omni.config.rollout import Engine, SDEType, VllmBackend, shares_actor
 from omni.data.prompts import load_prompts
-from omni.memory import configuration, count, device_total_gib, peak_phase, run_settings
+from omni.memory import check_memory, resolve_fsdp_version
 from omni.models import get_family
 from omni.models.base import ModelFamily
 from omni.rewards import REWARDS, reward_options
+from omni.rollout import ENGINES, engine_name, shares_actor
 
 __all__ = ["ConfigError", "validate"]
 
@@ -110,31 +111,20 @@ def check_lora_targets(model, family: ModelFamily) -> None:
 
 def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
     rollout, model = cfg.rollout, cfg.model
-    if rollout.engine == Engine.vllm:
-        require(
-            family.vllm_served or rollout.options.backend == VllmBackend.native,  # native: its own check
-            f"rollout=vllm: model.family={family.name} is not yet served by the vLLM-Omni engine; use rollout=diffusers",
-        )
-        check_vllm_rollout(rollout, family.name)
+    engine_check = getattr(ENGINES.module(engine_name(cfg)), "check_config", None)
+    if engine_check is not None:  # the engine's own rules (rollout=vllm: a family it serves, an engine to reach)
+        engine_check(cfg, family)
     multiple = family.tiny_resolution_multiple() if model.tiny_seed is not None else family.resolution_multiple(model.path)
     require(
         rollout.resolution > 0 and rollout.resolution % multiple == 0,
         f"rollout.resolution={rollout.resolution}: this model takes multiples of {multiple} (VAE factor x patch size)",
     )
-    require(rollout.num_steps >= 2, f"rollout.num_steps={rollout.num_steps}: need at least 2")
     require(rollout.fps > 0, f"rollout.fps={rollout.fps} must be positive")
     require(
         family.video or rollout.num_frames == 1,
         f"rollout.num_frames={rollout.num_frames}: model.family={family.name} makes images (1 frame); frames are for video models",
     )
-    require(rollout.noise_level > 0, f"rollout.noise_level={rollout.noise_level} must be positive")
-    require(
-        rollout.sde_type != SDEType.cps or rollout.noise_level <= 1,
-        f"rollout.noise_level={rollout.noise_level} with rollout.sde_type=cps: CPS's eta must be in (0, 1] "
-        f"(its step to sigma' has std sigma' sin(eta pi / 2))",
-    )
     require(rollout.guidance_scale >= 0, f"rollout.guidance_scale={rollout.guidance_scale} must be >= 0 (1 or less: no CFG)")
-    require(rollout.micro_batch_size > 0, "rollout.micro_batch_size must be positive")
     check_share_actor(cfg)
     check_shared_actor_options(cfg)
     check_full_finetuning_sync(cfg)
@@ -165,9 +155,9 @@ def check_share_actor(cfg: TrainConfig) -> None:
     if not cfg.rollout.share_actor:
         return
     require(
-        cfg.rollout.engine == Engine.diffusers,
-        f"rollout.share_actor=true with rollout.engine={cfg.rollout.engine.value}: only the in-process "
-        "diffusers engine can sample with the actor's transformer; set rollout.share_actor=false",
+        hasattr(ENGINES.module(engine_name(cfg)), "can_share_actor"),
+        f"rollout.share_actor=true with rollout.engine={engine_name(cfg)}: only an in-process engine "
+        "(diffusers) can sample with the actor's transformer; set rollout.share_actor=false",
     )
     require(
         cfg.trainer.n_workers == 1 or cfg.model.fsdp.version in (0, 2),
@@ -231,130 +221,6 @@ def check_full_finetuning(cfg: TrainConfig) -> None:
         f"trainer.ema_decay={cfg.trainer.ema_decay} with model.lora=null (full fine-tuning): the EMA averages a LoRA; "
         "set trainer.ema_decay=null, or train a LoRA",
     )
-
-
-def runs_on_cuda(trainer) -> bool:
-    """Whether the run's workers compute on CUDA devices (as omni.distributed.pick_device and
-    the Ray worker group resolve trainer.device=auto)."""
-    if trainer.device != "auto":
-        return trainer.device == "cuda"
-    return trainer.n_gpus_per_node > 0 or (trainer.n_workers == 1 and torch.cuda.is_available())
-
-
-def memory_budget(trainer, on_cuda: bool) -> tuple:
-    """GiB one device of the run may hold (`trainer.device_memory_gib`, else a CUDA device's
-    total, else None: not checked) and how a message names it."""
-    budget = trainer.device_memory_gib
-    require(
-        budget is None or budget >= 0.01,
-        f"trainer.device_memory_gib={budget} must be at least 0.01 (GiB, the estimate's precision), or null for the CUDA device's total",
-    )
-    if budget is not None:
-        return budget, f"trainer.device_memory_gib={budget}"
-    total = device_total_gib() if on_cuda else None
-    return total, f"the CUDA device's {total:.1f} GiB (trainer.device_memory_gib=null)" if total else None
-
-
-def estimate_memory(cfg: TrainConfig, family: ModelFamily, **changes) -> dict:
-    """omni/memory.py's estimate of the run's peak per device (its transformer built on the
-    meta device, its own frames, resolution, micro-batch, workers, sharding, LoRA, dtype and
-    checkpointing), with `changes` to those settings."""
-    model = cfg.model
-    tiny = model.tiny_seed is not None
-    config = family.tiny_transformer_config() if tiny else family.transformer_config(model.path)
-    arch = f"model.tiny_seed={model.tiny_seed} (tiny {family.name})" if tiny else f"model.path={model.path}"
-    on_cuda = runs_on_cuda(cfg.trainer)
-    dtype = model.dtype.value if model.dtype != DType.auto else ("bfloat16" if on_cuda else "float32")
-    sizes = count(family, config, model.lora)
-    if tiny:  # the family's text encoders and VAE are the published ones; a tiny model's weigh under a megabyte
-        sizes.update(text_encoder_params=0, vae_params=0)
-    frames = cfg.rollout.num_frames if family.video else 1
-    settings = {**run_settings(cfg, family, dtype), **changes}
-    return configuration(family, config, sizes, arch, cfg.rollout.resolution, frames, model.max_sequence_length, **settings)
-
-
-def resolve_fsdp_version(cfg: TrainConfig, family: ModelFamily) -> None:
-    """`model.fsdp.version=null`: one worker shards nothing (0); several workers replicate a
-    LoRA run's base when it fits each device (0: no gathers in the rollout or the update, one
-    all-reduce of the LoRA's gradients per optimizer step), else shard it with FSDP2; full
-    fine-tuning shards (FSDP2: its optimizer state is the whole model's)."""
-    fsdp = cfg.model.fsdp
-    if fsdp.version is not None:
-        return
-    if cfg.trainer.n_workers == 1:
-        fsdp.version = 0
-        return
-    if cfg.model.lora is None:
-        fsdp.version = 2
-        return
-    budget, _ = memory_budget(cfg.trainer, runs_on_cuda(cfg.trainer))
-    fits = budget is None or estimate_memory(cfg, family, fsdp=0)["gib_per_gpu"]["total"] <= budget
-    fsdp.version = 0 if fits else 2
-
-
-def check_memory(cfg: TrainConfig, family: ModelFamily) -> None:
-    """The run's estimated peak per device (`estimate_memory`) fits the device
-    (`memory_budget`). Full fine-tuning is not estimated yet, so not checked."""
-    budget, budget_name = memory_budget(cfg.trainer, runs_on_cuda(cfg.trainer))
-    if budget is None or cfg.model.lora is None:
-        return
-    row = estimate_memory(cfg, family)
-    if row["gib_per_gpu"]["total"] > budget:
-        checkpointed = None if cfg.model.gradient_checkpointing else estimate_memory(cfg, family, checkpointing=True)
-        raise ConfigError(memory_message(family, row, checkpointed, budget_name))
-
-
-def memory_message(family: ModelFamily, row: dict, checkpointed: dict | None, budget_name: str) -> str:
-    """Why a run does not fit: its estimate, the keys that drive it and what would lower it."""
-    gib, phase = row["gib_per_gpu"], peak_phase(row)
-    frames = f"rollout.num_frames={row['num_frames']}, " if family.video else ""
-    where = f"activations {gib['activations']} GiB of it" if phase == "train" else "activations not counted there"
-    ways = [f"lower {'rollout.num_frames, ' if family.video else ''}rollout.resolution or trainer.micro_batch_size",
-            "shard the weights over more workers (trainer.n_workers)"]  # fmt: skip
-    if checkpointed is not None:
-        ways.append(f"enable gradient checkpointing (model.gradient_checkpointing=true: about {checkpointed['gib_per_gpu']['total']} GiB)")
-    return (
-        f"{row['arch']}: the run needs about {gib['total']} GiB per device, more than {budget_name} "
-        f"({frames}rollout.resolution={row['resolution']}, trainer.micro_batch_size={row['micro_batch']}, "
-        f"trainer.n_workers={row['workers']}, model.gradient_checkpointing={str(row['checkpointing']).lower()}, "
-        f"model.dtype={row['dtype']}; the peak is its {phase} phase, {where}): {', or '.join(ways)}. "
-        "The estimate is omni/memory.py's (python scripts/estimate_memory.py prints its parts); "
-        "to run anyway, give a larger trainer.device_memory_gib"
-    )
-
-
-def check_vllm_rollout(rollout, family: str) -> None:
-    """rollout=vllm: an engine to start or attach to (for backend=native, one whose vLLM-Omni
-    has the hooks the family's native pipeline uses)."""
-    from omni.rollout.vllm_engine import engine_unavailable
-
-    problem = engine_unavailable(rollout.options, family)
-    require(problem is None, f"rollout=vllm: {problem}")
-    if rollout.options.url:
-        probe_engine(rollout.options)
-
-
-# Seconds an engine the run attaches to (rollout.options.url) has to answer /health at validation.
-ENGINE_PROBE_TIMEOUT_S = 5.0
-
-
-def probe_engine(options) -> None:
-    """The engine at rollout.options.url answers /health, within a short timeout and without
-    retries: a wrong or dead URL is named here, not after the transformer has loaded."""
-    from omni.rollout.engine_client import EngineClient
-
-    client = EngineClient(options.url, options)
-    try:
-        client.health(retry=False, timeout=ENGINE_PROBE_TIMEOUT_S)
-    except Exception as error:  # refused, timed out, dropped, or an answer that is not the engine's
-        raise ConfigError(
-            f"rollout.options.url={options.url}: no rollout engine answered GET /health within "
-            f"{ENGINE_PROBE_TIMEOUT_S:g}s ({type(error).__name__}: {str(error)[:200]}); start it "
-            "(ENV/bin/python -m omni.rollout.vllm_server --model ... --port ...) or leave rollout.options.url "
-            "unset for the run to start one"
-        ) from None
-    finally:
-        client.close()
 
 
 def check_trainer(cfg: TrainConfig) -> None:
