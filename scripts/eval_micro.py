@@ -59,7 +59,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     pipe = StableDiffusion3Pipeline.from_pretrained(args.checkpoint, local_files_only=True)
     if args.shift is not None:
-        pipe.scheduler.register_to_config(shift=args.shift)
+        pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, shift=args.shift)
     pipe.set_progress_bar_config(disable=True)
     items = scenes.held_out_prompts()[:: args.every]
     start = time.perf_counter()
