@@ -1,6 +1,6 @@
 """Checkpoints shipped with the package, under omni/assets/, named in a model config by the
 `omni_asset` resolver: `path: ${omni_asset:micro}` is the directory omni/assets/micro of
-the installed package, wherever it is installed (`model=micro` loads it offline as any local
+the installed package, wherever it is installed (a model config with that path loads it offline as any local
 diffusers checkpoint)."""
 
 from __future__ import annotations

@@ -13,13 +13,15 @@ from tests.conftest import compose_config
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "pretrain_micro.py"
 ASSET = Path(__file__).resolve().parents[2] / "omni" / "assets" / "micro"
+# The weights and their config (omni/conf/model/micro.yaml) ship once a run reaches the
+# issue's 15% held-out accuracy; until then these tests skip.
 needs_weights = pytest.mark.skipif(not (ASSET / "model_index.json").is_file(), reason="no micro weights shipped")
 
-# One thread, seed 0: the first VAE steps, and the first transformer steps on the shipped VAE's
-# latents of a 256-render pool (the shipped run's pool is 8,192 renders; the same renders
-# come first, only the batches drawn from them differ).
+# One thread, seed 0: the first VAE steps, and the first transformer steps on a 256-render
+# pool encoded by the VAE after those 3 steps (a full run's pool is 8,192 renders; the same
+# renders come first, only the batches drawn from them differ).
 VAE_LOSSES = [0.22531758248806, 0.11675979197025299, 0.08705490082502365]
-TRANSFORMER_LOSSES = []
+TRANSFORMER_LOSSES = [2.355872869491577, 2.34228777885437, 2.362898588180542]
 
 
 def load_script():
@@ -31,10 +33,11 @@ def load_script():
 
 @pytest.fixture
 def one_thread():
-    threads = torch.get_num_threads()
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
 
 
 def test_vae_first_steps_are_pinned(one_thread):
@@ -45,10 +48,9 @@ def test_vae_first_steps_are_pinned(one_thread):
     assert losses == pytest.approx(VAE_LOSSES, rel=1e-5)
 
 
-@needs_weights
 def test_transformer_first_steps_are_pinned(one_thread):
     script = load_script()
-    args = script.parse_args(["unused", "--vae-from", str(ASSET), "--steps", "3", "--pool", "256"])
+    args = script.parse_args(["unused", "--vae-steps", "3", "--steps", "3", "--pool", "256"])
     pipe, pool, _ = script.prepare(args)
     losses = script.train_transformer(pipe, pool, args)
     assert losses == pytest.approx(TRANSFORMER_LOSSES, rel=1e-5)
