@@ -157,13 +157,30 @@ class ActorRolloutGroup:
             try:
                 ray.get(done[0])
             except ray.exceptions.RayError as error:
-                rank = rank_of[done[0]]
+                rank, error = self._root_failure(rank_of, done[0], error, pending)
                 name = self.workers.worker_names[rank]
                 self._kill_workers()
                 raise WorkerFailure(
                     f"actor-rollout worker rank {rank} of {len(futures)} ({name}) failed in {method}: {_reason(error)}"
                 ) from None
         return ray.get(futures)
+
+    @staticmethod
+    def _root_failure(rank_of: dict, ref, error, pending: list, grace_s: float = 5.0):
+        """(rank, error) of the failure to report: a worker whose process died, if one did
+        within `grace_s`, before the others' collectives that broke because of it (a peer's
+        'Connection reset' can reach the driver first)."""
+        if isinstance(error, ray.exceptions.RayActorError) or not pending:
+            return rank_of[ref], error
+        finished, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s)
+        for other in finished:
+            try:
+                ray.get(other)
+            except ray.exceptions.RayActorError as died:
+                return rank_of[other], died
+            except ray.exceptions.RayError:
+                continue
+        return rank_of[ref], error
 
     def call_rank_zero(self, method: str, *args):
         return self._gather(method, [getattr(self.workers, method)(*args)])[0]
