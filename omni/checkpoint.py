@@ -69,7 +69,13 @@ def save_transformer(directory: Path, weights: Dict[str, torch.Tensor], transfor
 
 
 def save_checkpoint(
-    root: Path, step: int, weights: Dict[str, torch.Tensor], lora_config, state: Dict[str, Any], family, transformer_config: Optional[dict] = None
+    root: Path,
+    step: int,
+    weights: Dict[str, torch.Tensor],
+    lora_config,
+    state: Dict[str, Any],
+    family,
+    transformer_config: Optional[dict] = None,
 ) -> Path:
     """The LoRA (`lora_config` set) or, for full fine-tuning (`lora_config` None), the whole
     transformer with its `transformer_config`, and the trainer state."""
@@ -120,11 +126,17 @@ def save_failure(final: Path, error: BaseException) -> str:
     """What failed, where, why, and what is still there to continue from."""
     root = final.parent
     older = [p.name for p in sorted(root.glob("step_*")) if p.is_dir() and p != final]
-    kept = f"the checkpoints saved before it are intact ({', '.join(older[-3:])})" if older else "no earlier checkpoint exists"
+    kept = (
+        f"the checkpoints saved before it are intact ({', '.join(older[-3:])})"
+        if older
+        else "no earlier checkpoint exists"
+    )
     if out_of_space(error):
         usage = shutil.disk_usage(root)
-        cause = (f"no space left on the disk holding {root} (the filesystem mounted at {mount_point(root)}; "
-                 f"{usage.free / 2**20:.1f} MiB free now of {usage.total / 2**30:.1f} GiB)")
+        cause = (
+            f"no space left on the disk holding {root} (the filesystem mounted at {mount_point(root)}; "
+            f"{usage.free / 2**20:.1f} MiB free now of {usage.total / 2**30:.1f} GiB)"
+        )
     else:
         cause = f"{type(error).__name__}: {error}"
     return f"could not save checkpoint {final}: {cause}; {kept}, and no partial checkpoint was left behind"
@@ -162,7 +174,9 @@ def check_checkpoint(directory: Path, model=None) -> None:
     weights, state_file = weights_file(directory), directory / STATE_FILE
     for path in (weights, state_file):
         if not path.is_file():
-            raise DamagedCheckpoint(f"{path}: missing (a checkpoint holds {LORA_FILE} or {TRANSFORMER_FILE}, and {STATE_FILE})")
+            raise DamagedCheckpoint(
+                f"{path}: missing (a checkpoint holds {LORA_FILE} or {TRANSFORMER_FILE}, and {STATE_FILE})"
+            )
     try:
         with safe_open(str(weights), framework="pt") as f:
             shapes = {key: f.get_slice(key).get_shape() for key in f.keys()}
@@ -206,7 +220,9 @@ def config_differences(config_yaml, model) -> List[str]:
         if lora[key] != getattr(model.lora, key)
     ]
     if sorted(lora["target_modules"] or []) != sorted(model.lora.target_modules or []):
-        differences.append(f"saved LoRA targets {sorted(lora['target_modules'])}, configured {sorted(model.lora.target_modules)} (model.lora.target_modules)")
+        differences.append(
+            f"saved LoRA targets {sorted(lora['target_modules'])}, configured {sorted(model.lora.target_modules)} (model.lora.target_modules)"
+        )
     return differences
 
 
@@ -228,13 +244,17 @@ def lora_differences(shapes: Dict[str, list], lora_config) -> List[str]:
     """A LoRA's tensors (names and shapes) against `lora_config`'s rank and targets."""
     ranks = {shape[0] for key, shape in shapes.items() if ".lora_A." in key}
     if ranks != {lora_config.rank}:
-        return [f"saved LoRA rank {', '.join(map(str, sorted(ranks)))}, configured {lora_config.rank} (model.lora.rank)"]
+        return [
+            f"saved LoRA rank {', '.join(map(str, sorted(ranks)))}, configured {lora_config.rank} (model.lora.rank)"
+        ]
     modules = {key.split(".lora_A.")[0] for key in shapes if ".lora_A." in key}
     targets = set(lora_config.target_modules)
     found = {t for t in targets if any(m == t or m.endswith("." + t) for m in modules)}
     stray = sorted(m for m in modules if not any(m == t or m.endswith("." + t) for t in targets))
     if found != targets or stray:
-        return [f"saved LoRA on other modules than model.lora.target_modules={sorted(targets)} (missing {sorted(targets - found)}, unexpected {stray[:3]})"]
+        return [
+            f"saved LoRA on other modules than model.lora.target_modules={sorted(targets)} (missing {sorted(targets - found)}, unexpected {stray[:3]})"
+        ]
     return []
 
 
@@ -283,7 +303,7 @@ def transformer_lora_names(names) -> Dict[str, str]:
         if ".lora_" not in name:
             continue
         prefix = next((p for p in LORA_PREFIXES if name.startswith(p)), "")
-        plain[name] = name[len(prefix):]
+        plain[name] = name[len(prefix) :]
     return plain
 
 

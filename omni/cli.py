@@ -16,8 +16,8 @@ import hydra
 from omegaconf import DictConfig
 
 from omni.config import CONFIG_PATH
-from omni.registration import register_configs
 from omni.config.presets import describe_model_algorithm_preset
+from omni.registration import register_configs
 
 register_configs()
 log = logging.getLogger("omni.recipes.train")

@@ -81,7 +81,11 @@ class StepContext:
             sampled = time.perf_counter()
             scores = self.reward(batch.images, prompts, part)
             done = time.perf_counter()
-            return batch, scores, {"time/rollout": sampled - tick, "time/reward": done - sampled, "time/reward_wait": done - sampled}
+            return (
+                batch,
+                scores,
+                {"time/rollout": sampled - tick, "time/reward": done - sampled, "time/reward_wait": done - sampled},
+            )
         parts = []
         with StreamedScores(self.reward, len(prompts)) as stream:
             for start in range(0, len(prompts), part):
@@ -90,7 +94,11 @@ class StepContext:
             sampled = time.perf_counter()
             scores = stream.result()
         done = time.perf_counter()
-        return RolloutBatch.cat(parts), scores, {"time/rollout": sampled - tick, "time/reward": stream.busy_s, "time/reward_wait": done - sampled}
+        return (
+            RolloutBatch.cat(parts),
+            scores,
+            {"time/rollout": sampled - tick, "time/reward": stream.busy_s, "time/reward_wait": done - sampled},
+        )
 
     def sde_window(self, step: int, size: int = 0, allowed: Optional[Sequence[int]] = None) -> Tuple[int, int]:
         """Step `step`'s SDE steps: all of them (size 0), or a window of `size` whose start

@@ -31,7 +31,9 @@ def forward_flops(transformer, family, tokens: int, sequences: int) -> float:
     """Matmul FLOPs of one forward of `sequences` sequences of `tokens` tokens (see the module
     docstring); `transformer` may be on the meta device."""
     linear = sum(
-        m.weight.numel() for name, m in transformer.named_modules() if isinstance(m, torch.nn.Linear) and not is_lora_name(name)
+        m.weight.numel()
+        for name, m in transformer.named_modules()
+        if isinstance(m, torch.nn.Linear) and not is_lora_name(name)
     )
     blocks = sum(len(transformer.get_submodule(prefix.rstrip("."))) for prefix in family.layer_prefixes)
     width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
@@ -57,7 +59,9 @@ def flops_plan(family, transformer_config: dict, settings: dict) -> dict:
     meta = family.meta_transformer(config=transformer_config)
     tokens = settings["text_tokens"] + settings["image_tokens"]
     calls = 1 + settings["repeats"]
-    per_call = {"rollout": settings["steps"] * forward_flops(meta, family, tokens, settings["batch"] * settings["passes"])}
+    per_call = {
+        "rollout": settings["steps"] * forward_flops(meta, family, tokens, settings["batch"] * settings["passes"])
+    }
     one = forward_flops(meta, family, tokens, settings["micro_batch"])
     total = {"rollout": 2 * calls * per_call["rollout"]}  # ours and the plain pipeline
     for grad in cfg_gradients(settings):

@@ -31,7 +31,11 @@ def image_grid(images: torch.Tensor, columns: int = 8) -> torch.Tensor:
 
 
 # The import behind each optional backend, and the extra that installs it.
-BACKEND_IMPORTS = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow")}
+BACKEND_IMPORTS = {
+    "wandb": ("wandb", "wandb"),
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "mlflow": ("mlflow", "mlflow"),
+}
 
 
 def missing_backends(backends) -> Dict[str, str]:
@@ -58,13 +62,22 @@ class MetricsLogger:
         if "wandb" in self.backends:
             import wandb
 
-            self.wandb = wandb.init(project=run.wandb_project, mode=run.wandb_mode.value, dir=str(output_dir), config=config,
-                                    name=run.run_name, group=run.group, tags=list(run.tags) or None)
+            self.wandb = wandb.init(
+                project=run.wandb_project,
+                mode=run.wandb_mode.value,
+                dir=str(output_dir),
+                config=config,
+                name=run.run_name,
+                group=run.group,
+                tags=list(run.tags) or None,
+            )
         if "tensorboard" in self.backends:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"))
-            self.tensorboard.add_text("run", f"name: {run.run_name}, group: {run.group}, tags: {', '.join(run.tags)}", 0)
+            self.tensorboard.add_text(
+                "run", f"name: {run.run_name}, group: {run.group}, tags: {', '.join(run.tags)}", 0
+            )
         if "mlflow" in self.backends:
             self.mlflow = start_mlflow_run(run, self.output_dir, config)
 
@@ -116,7 +129,9 @@ class MetricsLogger:
             from tensorboard.compat.proto.summary_pb2 import Summary
 
             _, _, height, width = frames.shape
-            image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=gif_bytes(frames, self.fps))
+            image = Summary.Image(
+                height=height, width=width, colorspace=3, encoded_image_string=gif_bytes(frames, self.fps)
+            )
             self.tensorboard._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
         return path
 

@@ -50,7 +50,9 @@ def arch_config(family, name_or_path: str) -> dict:
     """The transformer config of a published architecture of `family` (by name) or of a
     checkpoint directory."""
     if name_or_path in family.published_configs:
-        return json.loads((resources.files("omni") / "models" / "configs" / family.published_configs[name_or_path]).read_text())
+        return json.loads(
+            (resources.files("omni") / "models" / "configs" / family.published_configs[name_or_path]).read_text()
+        )
     return json.loads((Path(name_or_path).expanduser() / "transformer" / "config.json").read_text())
 
 
@@ -80,8 +82,16 @@ def count(family, config: dict, lora) -> dict:
 
 
 def estimate(
-    sizes: dict, tokens: int, micro_batch: int, workers: int, fsdp: int, dtype: str, passes: int, checkpointing: bool,
-    shared: bool = True, offload: bool = True,
+    sizes: dict,
+    tokens: int,
+    micro_batch: int,
+    workers: int,
+    fsdp: int,
+    dtype: str,
+    passes: int,
+    checkpointing: bool,
+    shared: bool = True,
+    offload: bool = True,
 ) -> dict:
     """GiB per GPU of each part for `tokens` per image and `passes` transformer passes per
     image, and the peak over the phases of a step: training, the rollout (a shared actor is
@@ -110,7 +120,11 @@ def estimate(
         "encode": always + (parts["text_encoders"] if offload else 0),
     }
     gib = {k: round(v / GIB, 2) for k, v in parts.items()}
-    return {**gib, **{f"{k}_phase": round(v / GIB, 2) for k, v in phases.items()}, "total": round(max(phases.values()) / GIB, 2)}
+    return {
+        **gib,
+        **{f"{k}_phase": round(v / GIB, 2) for k, v in phases.items()},
+        "total": round(max(phases.values()) / GIB, 2),
+    }
 
 
 def run_settings(cfg, family, dtype: str) -> dict:
@@ -124,7 +138,9 @@ def run_settings(cfg, family, dtype: str) -> dict:
                 shared=shares_actor(cfg), offload=cfg.rollout.offload_text_encoders)  # fmt: skip
 
 
-def configuration(family, config: dict, sizes: dict, arch: str, resolution, num_frames: int, max_sequence_length: int, **settings) -> dict:
+def configuration(
+    family, config: dict, sizes: dict, arch: str, resolution, num_frames: int, max_sequence_length: int, **settings
+) -> dict:
     """The estimate of one configuration of architecture `arch` (its transformer `config`,
     counted as `sizes`): `resolution` pixels square or (height, width), `num_frames` per clip
     (1 for an image family) and `settings` as `run_settings` gives them."""
@@ -205,7 +221,9 @@ def estimate_memory(cfg: TrainConfig, family: ModelFamily, **changes) -> dict:
         sizes.update(text_encoder_params=0, vae_params=0)
     frames = cfg.rollout.num_frames if family.video else 1
     settings = {**run_settings(cfg, family, dtype), **changes}
-    return configuration(family, config, sizes, arch, cfg.rollout.resolution, frames, model.max_sequence_length, **settings)
+    return configuration(
+        family, config, sizes, arch, cfg.rollout.resolution, frames, model.max_sequence_length, **settings
+    )
 
 
 def resolve_fsdp_version(cfg: TrainConfig, family: ModelFamily) -> None:
@@ -247,7 +265,9 @@ def memory_message(family: ModelFamily, row: dict, checkpointed: dict | None, bu
     ways = [f"lower {'rollout.num_frames, ' if family.video else ''}rollout.resolution or trainer.micro_batch_size",
             "shard the weights over more workers (trainer.n_workers)"]  # fmt: skip
     if checkpointed is not None:
-        ways.append(f"enable gradient checkpointing (model.gradient_checkpointing=true: about {checkpointed['gib_per_gpu']['total']} GiB)")
+        ways.append(
+            f"enable gradient checkpointing (model.gradient_checkpointing=true: about {checkpointed['gib_per_gpu']['total']} GiB)"
+        )
     return (
         f"{row['arch']}: the run needs about {gib['total']} GiB per device, more than {budget_name} "
         f"({frames}rollout.resolution={row['resolution']}, trainer.micro_batch_size={row['micro_batch']}, "

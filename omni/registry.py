@@ -33,7 +33,9 @@ class Registry:
         return sorted(set(found))
 
     def _module(self, module_name: str):
-        plugin = plugins(self.package).get(module_name[: len(module_name) - len(self.suffix)] if self.suffix else module_name)
+        plugin = plugins(self.package).get(
+            module_name[: len(module_name) - len(self.suffix)] if self.suffix else module_name
+        )
         return importlib.import_module(plugin or f"{self.package}.{module_name}")
 
     def module(self, name: str):

@@ -71,7 +71,9 @@ class RetryingClient:
     def close(self) -> None:
         self.client.close()
 
-    def request(self, method: str, route: str, read: Callable[[httpx.Response], Any], retry: bool = True, **kwargs) -> Any:
+    def request(
+        self, method: str, route: str, read: Callable[[httpx.Response], Any], retry: bool = True, **kwargs
+    ) -> Any:
         """`read(response)` of `method route`, tried `policy.retries + 1` times (once
         without `retry`); `kwargs` go to httpx (json=, content=, headers=)."""
         policy = self.policy
@@ -83,7 +85,11 @@ class RetryingClient:
             wait=tenacity.wait_exponential(multiplier=policy.backoff_s, max=policy.max_backoff_s),
             retry=tenacity.retry_if_exception(self.retryable),
             before_sleep=lambda state: logger.warning(
-                "%s failed (%s); try %d of %d", where, self.describe(state.outcome.exception(), timeout), state.attempt_number + 1, attempts
+                "%s failed (%s); try %d of %d",
+                where,
+                self.describe(state.outcome.exception(), timeout),
+                state.attempt_number + 1,
+                attempts,
             ),
             reraise=True,
         )
@@ -92,7 +98,9 @@ class RetryingClient:
         except (httpx.TransportError, TransientAnswer) as error:
             tries = retrying.statistics.get("attempt_number", 1)
             why = f"{policy.key}.retries={policy.retries}" if retry else "not retried"
-            raise RetriesExhausted(f"{where} failed {tries} time{'s' * (tries > 1)} ({why}); last: {self.describe(error, timeout)}") from None
+            raise RetriesExhausted(
+                f"{where} failed {tries} time{'s' * (tries > 1)} ({why}); last: {self.describe(error, timeout)}"
+            ) from None
 
     def retryable(self, error: BaseException) -> bool:
         if isinstance(error, httpx.ReadTimeout) and not self.policy.retry_read_timeouts:

@@ -55,10 +55,16 @@ GAP = 0.06  # least distance between two objects' boxes, as a share of the side
 MARGIN = 0.04  # least distance from an object's box to the image's edge
 ENTRY_KEYS = {"class", "count", "color", "position"}
 # Every word a scene prompt can have, for a tokenizer that gives each its own token.
-WORDS = tuple(dict.fromkeys(
-    "a an photo of and".split() + list(COUNT_WORDS.values()) + list(SHAPES) + list(PLURALS.values())
-    + list(COLORS) + " ".join(RELATIONS).split()
-))
+WORDS = tuple(
+    dict.fromkeys(
+        "a an photo of and".split()
+        + list(COUNT_WORDS.values())
+        + list(SHAPES)
+        + list(PLURALS.values())
+        + list(COLORS)
+        + " ".join(RELATIONS).split()
+    )
+)
 
 
 # ---- metadata -> prompt text ----------------------------------------------------------------
@@ -73,7 +79,11 @@ def _noun(entry: Dict[str, Any]) -> str:
     name, count = entry["class"], entry["count"]
     words = ([entry["color"]] if "color" in entry else []) + [name if count == 1 else PLURALS[name]]
     phrase = " ".join(words)
-    return f"{_article(phrase)} {phrase}" if count == 1 and entry.get("_article", True) else f"{COUNT_WORDS[count]} {phrase}"
+    return (
+        f"{_article(phrase)} {phrase}"
+        if count == 1 and entry.get("_article", True)
+        else f"{COUNT_WORDS[count]} {phrase}"
+    )
 
 
 def prompt_text(metadata: Dict[str, Any]) -> str:
@@ -107,7 +117,11 @@ def sample_metadata(rng: np.random.Generator, tag: str) -> Dict[str, Any]:
         include = [{"class": name, "count": 1} for name in _classes(rng, 2)]
     elif tag == "counting":
         name, count = _classes(rng, 1)[0], int(rng.integers(1, MAX_COUNT + 1))
-        item = {"tag": tag, "include": [{"class": name, "count": count}], "exclude": [{"class": name, "count": count + 1}]}
+        item = {
+            "tag": tag,
+            "include": [{"class": name, "count": count}],
+            "exclude": [{"class": name, "count": count + 1}],
+        }
         return {**item, "prompt": prompt_text(item)}
     elif tag == "colors":
         include = [{"class": _classes(rng, 1)[0], "count": 1, "color": _colors(rng, 1)[0]}]
@@ -164,7 +178,12 @@ def _entry_problem(entry: Any, index: int, key: str, earlier: List[Dict[str, Any
 
 def _position_problem(entry: Dict[str, Any], where: str, earlier: List[Dict[str, Any]]) -> Optional[str]:
     position = entry["position"]
-    if not (isinstance(position, list) and len(position) == 2 and isinstance(position[1], int) and not isinstance(position[1], bool)):
+    if not (
+        isinstance(position, list)
+        and len(position) == 2
+        and isinstance(position[1], int)
+        and not isinstance(position[1], bool)
+    ):
         return f"{where}: position {position!r} is not [relation, index of an earlier include entry]"
     relation, target = position
     if relation not in RELATIONS:
@@ -260,7 +279,12 @@ def _related_box(rng: np.random.Generator, target: Box, side: float, relation: s
     tx, ty, ts = target
     along = (ts + side) / 2 + GAP * size + rng.uniform(0, 0.3) * size
     across = rng.uniform(-0.1, 0.1) * size
-    dx, dy = {"left of": (-along, across), "right of": (along, across), "above": (across, -along), "below": (across, along)}[relation]
+    dx, dy = {
+        "left of": (-along, across),
+        "right of": (along, across),
+        "above": (across, -along),
+        "below": (across, along),
+    }[relation]
     return tx + dx, ty + dy, side
 
 
@@ -277,7 +301,9 @@ def _next_box(rng, metadata, boxes, first_of, index, side, size) -> Optional[Box
     return None
 
 
-def place(metadata: Dict[str, Any], objects: List[Tuple[str, str, int]], size: int, rng: np.random.Generator) -> List[Box]:
+def place(
+    metadata: Dict[str, Any], objects: List[Tuple[str, str, int]], size: int, rng: np.random.Generator
+) -> List[Box]:
     """A box per object, inside the image, apart from each other, positions as the metadata says."""
     low, high = SIZES[len(objects)]
     for _ in range(100):
@@ -321,7 +347,10 @@ def draw(objects: Sequence[Tuple[str, str, int]], boxes: Sequence[Box], size: in
     canvas[:] = BACKGROUND
     for (shape, color, _), box in zip(objects, boxes):
         x, y, s = box  # only the fine pixels of the box (and one more) can be covered
-        r0, r1 = (max(int((v - s / 2) * SUPERSAMPLE) - 1, 0) for v in (y, x)), (int((v + s / 2) * SUPERSAMPLE) + 2 for v in (y, x))
+        r0, r1 = (
+            (max(int((v - s / 2) * SUPERSAMPLE) - 1, 0) for v in (y, x)),
+            (int((v + s / 2) * SUPERSAMPLE) + 2 for v in (y, x)),
+        )
         (y0, x0), (y1, x1) = r0, r1
         part = canvas[y0:y1, x0:x1]
         part[shape_mask(shape, box, xx[y0:y1, x0:x1], yy[y0:y1, x0:x1])] = COLORS[color]
@@ -333,7 +362,9 @@ def layout(metadata: Dict[str, Any], size: int, seed: int) -> List[Tuple[str, st
     """The scene's objects: (shape, colour, box) each, a function of the metadata and seed."""
     problem = metadata_problem(metadata)
     if problem:
-        raise ValueError(f"cannot draw {metadata.get('prompt', metadata) if isinstance(metadata, dict) else metadata!r}: it needs {problem}")
+        raise ValueError(
+            f"cannot draw {metadata.get('prompt', metadata) if isinstance(metadata, dict) else metadata!r}: it needs {problem}"
+        )
     rng = np.random.default_rng(seed)
     objects = _objects(metadata, rng)
     boxes = place(metadata, objects, size, rng)
@@ -364,7 +395,9 @@ def training_prompts(n: int, seed: int = 0) -> List[Dict[str, Any]]:
     return prompt_set(n, seed, avoid=[item["prompt"] for item in held_out_prompts()], avoid_tags=DISJOINT_TAGS)
 
 
-def jitter(images: torch.Tensor, seed: int, noise: float = 0.03, blur: float = 1.0, color: float = 0.08) -> torch.Tensor:
+def jitter(
+    images: torch.Tensor, seed: int, noise: float = 0.03, blur: float = 1.0, color: float = 0.08
+) -> torch.Tensor:
     """Images (B, 3, H, W) as a camera or a decoder might spoil them, from `seed`: a Gaussian
     blur of sigma up to `blur` pixels, each channel's gain and offset off by up to `color`
     (and `color` / 2), Gaussian noise of std `noise`; clamped to [0, 1]."""
@@ -373,7 +406,7 @@ def jitter(images: torch.Tensor, seed: int, noise: float = 0.03, blur: float = 1
     sigma = torch.rand(b, generator=g) * blur
     radius = max(1, int(np.ceil(2 * blur)))
     offsets = torch.arange(-radius, radius + 1, dtype=torch.float32)
-    kernels = torch.exp(-offsets[None] ** 2 / (2 * sigma[:, None].clamp_min(1e-3) ** 2))
+    kernels = torch.exp(-(offsets[None] ** 2) / (2 * sigma[:, None].clamp_min(1e-3) ** 2))
     kernels = kernels / kernels.sum(dim=1, keepdim=True)
     out = torch.nn.functional.pad(images, (radius,) * 4, mode="replicate")
     out = torch.stack([_separable(image, kernel) for image, kernel in zip(out, kernels)])

@@ -53,7 +53,13 @@ def sweep_jobs(config: DictConfig, loader) -> List[Sequence[str]]:
     job of the sweep's fixed settings (its trials are drawn later)."""
     parser = OverridesParser.create(config_loader=loader)
     if config.hydra.sweeper._target_ != BASIC_SWEEPER:
-        return [[o.input_line for o in parser.parse_overrides(list(config.hydra.overrides.task)) if not o.is_sweep_override()]]
+        return [
+            [
+                o.input_line
+                for o in parser.parse_overrides(list(config.hydra.overrides.task))
+                if not o.is_sweep_override()
+            ]
+        ]
     params = [f"{key}={value}" for key, value in (config.hydra.sweeper.get("params") or {}).items()]
     overrides = parser.parse_overrides(params + list(config.hydra.overrides.task))
     return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
@@ -72,9 +78,17 @@ class ValidateSweep(Callback):
         for num, overrides in enumerate(jobs):
             problem = job_problem(config, loader, overrides, num)
             if problem:
-                bad.append(f"job #{num} ({' '.join(o for o in overrides if o in varying) or 'the fixed settings'}): {problem}")
+                bad.append(
+                    f"job #{num} ({' '.join(o for o in overrides if o in varying) or 'the fixed settings'}): {problem}"
+                )
         if bad:
-            sys.stderr.write(f"the sweep is refused before any job starts, {len(bad)} of its {len(jobs)} jobs cannot run: {'; '.join(bad)}\n")
+            sys.stderr.write(
+                f"the sweep is refused before any job starts, {len(bad)} of its {len(jobs)} jobs cannot run: {'; '.join(bad)}\n"
+            )
             raise SystemExit(1)
-        what = f"the sweep's {len(jobs)} jobs" if config.hydra.sweeper._target_ == BASIC_SWEEPER else "the search's fixed settings"
+        what = (
+            f"the sweep's {len(jobs)} jobs"
+            if config.hydra.sweeper._target_ == BASIC_SWEEPER
+            else "the search's fixed settings"
+        )
         log.info(f"validated {what} before starting any job ({time.perf_counter() - start:.1f}s)")

@@ -23,11 +23,10 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from omni import checkpoint
-from omni.atomic import write_text
 from omni.algorithms import get_algorithm
+from omni.atomic import write_text
 from omni.config import TrainConfig
 from omni.config.errors import ConfigError, require
-from omni.validation import validate
 from omni.context import StepContext, means, step_seeds
 from omni.data.prompts import load_prompts
 from omni.ema import LoraEMA
@@ -38,6 +37,7 @@ from omni.rewards.base import RewardUnavailable
 from omni.rollout.engine_client import EngineError, EngineUnreachable
 from omni.run_lock import RunLock
 from omni.schedules import lr_factor
+from omni.validation import validate
 from omni.workers import WorkerFailure, build_actor_rollout
 
 logger = logging.getLogger(__name__)
@@ -48,8 +48,15 @@ CONFIG_FILE = "resolved_config.yaml"
 
 # What the progress bar shows: the quantities that move during training (a loss near zero
 # by construction, as GRPO's is, tells nothing), under short names, those a step reports.
-PROGRESS_FIELDS = {"reward/reward": "reward", "train/kl": "kl", "train/clip_fraction": "clipped",
-                   "train/implicit_accuracy": "accuracy", "train/reward_margin": "margin", "train/grad_norm": "grad", "train/lr": "lr"}
+PROGRESS_FIELDS = {
+    "reward/reward": "reward",
+    "train/kl": "kl",
+    "train/clip_fraction": "clipped",
+    "train/implicit_accuracy": "accuracy",
+    "train/reward_margin": "margin",
+    "train/grad_norm": "grad",
+    "train/lr": "lr",
+}
 
 
 def progress_fields(metrics: Dict[str, float]) -> Dict[str, str]:
@@ -76,7 +83,9 @@ class Trainer:
         self.checkpoint_dir = self.output_dir / "checkpoints"
         self.family = get_family(cfg.model.family)
         train_prompts = load_prompts(cfg.data.train, "data.train", cfg.data.skip_bad_rows)
-        eval_prompts = load_prompts(cfg.data.eval, "data.eval", cfg.data.skip_bad_rows) if cfg.data.eval else train_prompts
+        eval_prompts = (
+            load_prompts(cfg.data.eval, "data.eval", cfg.data.skip_bad_rows) if cfg.data.eval else train_prompts
+        )
         reward = WeightedReward(cfg.reward.components, cfg.reward.batch_size, cfg.reward.nonfinite)
         self.ctx = StepContext(cfg, self.family, train_prompts, eval_prompts, reward)
         self.algorithm = get_algorithm(cfg.algorithm.name)(self.ctx)  # reads its data before any model loads
@@ -118,10 +127,14 @@ class Trainer:
             try:
                 found, skipped = checkpoint.resumable_checkpoint(self.checkpoint_dir, self.cfg.model)
             except checkpoint.CheckpointMismatch as error:
-                raise ConfigError(f"trainer.resume=auto: {error}; nothing was written. To start afresh, {self.elsewhere()}") from None
-            require(not skipped or found is not None,
-                    f"trainer.resume=auto found checkpoints in {self.checkpoint_dir} but none it can use: "
-                    f"{'; '.join(skipped)}. Nothing was written; to start afresh, {self.elsewhere()}")
+                raise ConfigError(
+                    f"trainer.resume=auto: {error}; nothing was written. To start afresh, {self.elsewhere()}"
+                ) from None
+            require(
+                not skipped or found is not None,
+                f"trainer.resume=auto found checkpoints in {self.checkpoint_dir} but none it can use: "
+                f"{'; '.join(skipped)}. Nothing was written; to start afresh, {self.elsewhere()}",
+            )
             for reason in skipped:  # only newer ones than `found`, which its later saves replace
                 logger.warning("trainer.resume=auto passes over a damaged checkpoint: %s", reason)
             return found
@@ -134,8 +147,11 @@ class Trainer:
         start = checkpoint.step_of(resumed) if resumed is not None else 0
         later = [p.name for p in checkpoint.checkpoint_dirs(self.checkpoint_dir) if checkpoint.step_of(p) > start]
         how = f"continues from {resumed}" if resumed is not None else "starts at step 0"
-        require(not later, f"{self.checkpoint_dir} holds checkpoints of an earlier run ({', '.join(reversed(later))}) that this run "
-                           f"would write over: it {how}. Continue that run with trainer.resume=auto, or {self.elsewhere()}")
+        require(
+            not later,
+            f"{self.checkpoint_dir} holds checkpoints of an earlier run ({', '.join(reversed(later))}) that this run "
+            f"would write over: it {how}. Continue that run with trainer.resume=auto, or {self.elsewhere()}",
+        )
 
     def elsewhere(self) -> str:
         return f"give this run its own directory (hydra.run.dir=...) or move {self.checkpoint_dir} away"
@@ -177,13 +193,25 @@ class Trainer:
         metrics_log.log(self.eval_metrics(initial), self.start_step, force_console=True)
         if trainer.eval_only:
             reward = float(initial["reward"].mean())
-            logger.info("eval-only run (trainer.eval_only=true, no training): held-out reward %.4f at step %d", reward, self.start_step)
+            logger.info(
+                "eval-only run (trainer.eval_only=true, no training): held-out reward %.4f at step %d",
+                reward,
+                self.start_step,
+            )
             return reward
-        bar = tqdm(range(self.start_step, trainer.steps), desc=self.cfg.algorithm.name, disable=not trainer.progress_bar, initial=self.start_step, total=trainer.steps)
+        bar = tqdm(
+            range(self.start_step, trainer.steps),
+            desc=self.cfg.algorithm.name,
+            disable=not trainer.progress_bar,
+            initial=self.start_step,
+            total=trainer.steps,
+        )
         with logging_redirect_tqdm():  # log lines above the bar, not through it
             for step in bar:
                 self.position = f"training step {step + 1}"
-                lr = self.worker.set_lr(trainer.lr * lr_factor(step, trainer.steps, trainer.lr_schedule.value, trainer.warmup_steps))
+                lr = self.worker.set_lr(
+                    trainer.lr * lr_factor(step, trainer.steps, trainer.lr_schedule.value, trainer.warmup_steps)
+                )
                 metrics = {**self.algorithm.step(step), "train/lr": lr}
                 if self.ema is not None:
                     self.ema.update(self.worker.lora_state_dict())
@@ -219,7 +247,12 @@ class Trainer:
 
     def write_eval_summary(self, before: torch.Tensor, after: torch.Tensor) -> None:
         """Per-image held-out rewards before and after training (same prompts and seeds)."""
-        summary = {"before": before.tolist(), "after": after.tolist(), "start_step": self.start_step, "steps": self.cfg.trainer.steps}
+        summary = {
+            "before": before.tolist(),
+            "after": after.tolist(),
+            "start_step": self.start_step,
+            "steps": self.cfg.trainer.steps,
+        }
         (self.output_dir / "eval.json").write_text(json.dumps(summary))
 
     # ----------------------------------------------------------------- checkpoints
@@ -232,8 +265,12 @@ class Trainer:
         """The trained weights: the LoRA, or the whole transformer with full fine-tuning. The
         exported LoRA is the EMA when there is one; the trained LoRA, which training
         continues from, then goes into the trainer state."""
-        state = {"optimizer": self.worker.optimizer_state_dict(), "rng": checkpoint.rng_state(), "config": self.config_yaml(),
-                 "algorithm": self.algorithm.state_dict()}
+        state = {
+            "optimizer": self.worker.optimizer_state_dict(),
+            "rng": checkpoint.rng_state(),
+            "config": self.config_yaml(),
+            "algorithm": self.algorithm.state_dict(),
+        }
         weights = self.worker.trained_state_dict()
         if self.ema is not None:
             state["trained_lora"], weights = weights, self.ema.weights(weights)
@@ -293,7 +330,14 @@ def run(cfg: DictConfig | TrainConfig) -> float:
         try:
             trainer.setup()
             return trainer.train()
-        except (WorkerFailure, TrainingStopped, RewardUnavailable, EngineUnreachable, EngineError, checkpoint.CheckpointSaveFailed) as failure:
+        except (
+            WorkerFailure,
+            TrainingStopped,
+            RewardUnavailable,
+            EngineUnreachable,
+            EngineError,
+            checkpoint.CheckpointSaveFailed,
+        ) as failure:
             raise type(failure)(f"{failure}; during {trainer.position}. Training stopped: {kept(trainer)}") from None
         except KeyboardInterrupt:
             logger.error("interrupted during %s. %s", trainer.position, kept(trainer))

@@ -13,8 +13,8 @@ estimate against the device (and `model.fsdp.version=null`'s choice) is omni/mem
 from __future__ import annotations
 
 import copy
-import math
 import dataclasses
+import math
 import re
 from pathlib import Path
 
@@ -69,7 +69,10 @@ def check_model(model) -> ModelFamily:
         model.fsdp.version in (None, 0, 1, 2),
         f"model.fsdp.version={model.fsdp.version}: expected 0, 1, 2 or null (replicated where the base fits, else 2)",
     )
-    require(model.vae_inversion_steps >= 0, f"model.vae_inversion_steps={model.vae_inversion_steps} must be >= 0 (0: the VAE's encoder)")
+    require(
+        model.vae_inversion_steps >= 0,
+        f"model.vae_inversion_steps={model.vae_inversion_steps} must be >= 0 (0: the VAE's encoder)",
+    )
     if model.lora is not None:
         require(model.lora.rank > 0, f"model.lora.rank={model.lora.rank} must be positive")
         require(bool(model.lora.adapter_name), "model.lora.adapter_name must not be empty")
@@ -114,7 +117,9 @@ def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
     engine_check = getattr(ENGINES.module(engine_name(cfg)), "check_config", None)
     if engine_check is not None:  # the engine's own rules (rollout=vllm: a family it serves, an engine to reach)
         engine_check(cfg, family)
-    multiple = family.tiny_resolution_multiple() if model.tiny_seed is not None else family.resolution_multiple(model.path)
+    multiple = (
+        family.tiny_resolution_multiple() if model.tiny_seed is not None else family.resolution_multiple(model.path)
+    )
     require(
         rollout.resolution > 0 and rollout.resolution % multiple == 0,
         f"rollout.resolution={rollout.resolution}: this model takes multiples of {multiple} (VAE factor x patch size)",
@@ -124,7 +129,9 @@ def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
         family.video or rollout.num_frames == 1,
         f"rollout.num_frames={rollout.num_frames}: model.family={family.name} makes images (1 frame); frames are for video models",
     )
-    require(rollout.guidance_scale >= 0, f"rollout.guidance_scale={rollout.guidance_scale} must be >= 0 (1 or less: no CFG)")
+    require(
+        rollout.guidance_scale >= 0, f"rollout.guidance_scale={rollout.guidance_scale} must be >= 0 (1 or less: no CFG)"
+    )
     check_share_actor(cfg)
     check_shared_actor_options(cfg)
     check_full_finetuning_sync(cfg)
@@ -246,7 +253,10 @@ def check_trainer(cfg: TrainConfig) -> None:
     require(trainer.batch_size > 0, f"trainer.batch_size={trainer.batch_size} must be positive")
     require(trainer.micro_batch_size > 0, f"trainer.micro_batch_size={trainer.micro_batch_size} must be positive")
     require(trainer.max_grad_norm >= 0, f"trainer.max_grad_norm={trainer.max_grad_norm} must be >= 0")
-    require(trainer.eval_images_per_prompt > 0, f"trainer.eval_images_per_prompt={trainer.eval_images_per_prompt} must be positive")
+    require(
+        trainer.eval_images_per_prompt > 0,
+        f"trainer.eval_images_per_prompt={trainer.eval_images_per_prompt} must be positive",
+    )
     require(trainer.n_workers >= 1, f"trainer.n_workers={trainer.n_workers} must be >= 1")
     require(
         trainer.batch_size % trainer.n_workers == 0,
@@ -286,7 +296,9 @@ def check_workers(cfg: TrainConfig) -> None:
         f"trainer.ray_address={trainer.ray_address} with trainer.n_workers=1: one worker runs in this process "
         f"without Ray; set trainer.n_workers > 1 to use the cluster",
     )
-    require(trainer.placement_timeout_s > 0, f"trainer.placement_timeout_s={trainer.placement_timeout_s} must be positive")
+    require(
+        trainer.placement_timeout_s > 0, f"trainer.placement_timeout_s={trainer.placement_timeout_s} must be positive"
+    )
 
 
 def check_logger(logger, family: ModelFamily) -> None:
@@ -295,14 +307,20 @@ def check_logger(logger, family: ModelFamily) -> None:
     from omni.loggers import missing_backends
 
     missing = missing_backends([backend.value for backend in logger.backends])
-    require(not missing, "; ".join(f"logger.backends has {name}, which is not installed: {fix}" for name, fix in missing.items()))
+    require(
+        not missing,
+        "; ".join(f"logger.backends has {name}, which is not installed: {fix}" for name, fix in missing.items()),
+    )
     require(logger.console_every >= 1, f"logger.console_every={logger.console_every} must be >= 1")
     require(logger.image_every >= 0, f"logger.image_every={logger.image_every} must be >= 0")
     if family.video and logger.image_every:
         from omni.videos import video_backend_missing
 
         missing = video_backend_missing()
-        require(not missing, f"logger.image_every={logger.image_every} logs model.family={family.name}'s clips as videos: {missing}")
+        require(
+            not missing,
+            f"logger.image_every={logger.image_every} logs model.family={family.name}'s clips as videos: {missing}",
+        )
 
 
 def check_rewards(reward) -> None:
@@ -344,7 +362,9 @@ def check_reward_kinds(reward, family: ModelFamily) -> None:
                 f"and average with reward.components.frame_average.image={name} (e.g. reward=frame_brightness)",
             )
         else:
-            require(not takes_video, f"reward.components.{name} scores videos but model.family={family.name} makes images")
+            require(
+                not takes_video, f"reward.components.{name} scores videos but model.family={family.name} makes images"
+            )
 
 
 def check_prompts(data, reward) -> None:
@@ -375,11 +395,17 @@ def to_schema(cfg: DictConfig | TrainConfig) -> TrainConfig:
     if isinstance(cfg, TrainConfig):
         return copy.deepcopy(cfg)
     missing = sorted(OmegaConf.missing_keys(cfg))
-    require(not missing, "; ".join(f"{key} is mandatory and not set: {field_hint(cfg, key) or f'pass {key}=...'}" for key in missing))
+    require(
+        not missing,
+        "; ".join(f"{key} is mandatory and not set: {field_hint(cfg, key) or f'pass {key}=...'}" for key in missing),
+    )
     unknown = unknown_keys(cfg)
     require(
         not unknown,
-        "; ".join(f"{key}: no such key (the schema of {parent or 'the run'} has {', '.join(known)})" for key, parent, known in unknown)
+        "; ".join(
+            f"{key}: no such key (the schema of {parent or 'the run'} has {', '.join(known)})"
+            for key, parent, known in unknown
+        )
         + "; a key appended with +key=value must still be one the schema has",
     )
     try:
@@ -410,7 +436,9 @@ def unknown_keys(node: DictConfig, prefix: str = "") -> list:
         child = node._get_node(key)
         if known is not None and key not in known:
             found.append((f"{prefix}{key}", prefix.rstrip("."), known))
-        elif isinstance(child, DictConfig) and not (child._is_none() or child._is_missing() or child._is_interpolation()):
+        elif isinstance(child, DictConfig) and not (
+            child._is_none() or child._is_missing() or child._is_interpolation()
+        ):
             found += unknown_keys(child, f"{prefix}{key}.")
     return found
 

@@ -82,7 +82,9 @@ def _read_mp4(path: Path) -> List[np.ndarray]:
     finally:
         capture.release()
     if not frames:
-        raise VideoError(f"cannot decode video {path}: no frame could be read (not a video, or a codec this OpenCV lacks)")
+        raise VideoError(
+            f"cannot decode video {path}: no frame could be read (not a video, or a codec this OpenCV lacks)"
+        )
     return frames
 
 
@@ -146,5 +148,7 @@ def gif_bytes(clip: torch.Tensor, fps: int) -> bytes:
     """`clip` (F, 3, H, W) in [0, 1] as an animated GIF that loops."""
     images = [Image.fromarray(frame) for frame in to_uint8_frames(clip)]
     out = io.BytesIO()
-    images[0].save(out, format="GIF", save_all=True, append_images=images[1:], duration=max(1, round(1000 / fps)), loop=0)
+    images[0].save(
+        out, format="GIF", save_all=True, append_images=images[1:], duration=max(1, round(1000 / fps)), loop=0
+    )
     return out.getvalue()

@@ -45,7 +45,11 @@ def is_lora_name(name: str) -> bool:
 
 def plain_base_names(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """The module's non-LoRA tensors under plain names (`.base_layer` removed)."""
-    return {name.replace(".base_layer", ""): t for name, t in module.state_dict(keep_vars=True).items() if not is_lora_name(name)}
+    return {
+        name.replace(".base_layer", ""): t
+        for name, t in module.state_dict(keep_vars=True).items()
+        if not is_lora_name(name)
+    }
 
 
 def lora_tensors(module: torch.nn.Module, adapter_name: str) -> Dict[str, torch.Tensor]:

@@ -28,7 +28,12 @@ def main() -> None:
     torch.set_num_threads(1)
     items = scenes.prompt_set(args.n, args.seed)
     prompts = [Prompt(item["prompt"], {k: v for k, v in item.items() if k != "prompt"}) for item in items]
-    clean = torch.stack([scenes.render(item, args.size, seeding.derive_seed(args.seed, i, seeding.SCENE_IMAGES)) for i, item in enumerate(items)])
+    clean = torch.stack(
+        [
+            scenes.render(item, args.size, seeding.derive_seed(args.seed, i, seeding.SCENE_IMAGES))
+            for i, item in enumerate(items)
+        ]
+    )
     spoilt = scenes.jitter(clean, args.seed, noise=args.noise, blur=args.blur, color=args.color)
     reward = SceneGeneval("scene_geneval", SceneGenevalOptions())
     for name, images in (("clean", clean), ("spoilt", spoilt)):

@@ -35,14 +35,13 @@ from pathlib import Path
 
 import torch
 
-from omni.composing import compose_train
-from omni.validation import validate
 from omni.algorithms import flow_grpo
+from omni.composing import compose_train
 from omni.context import step_seeds
 from omni.rewards.base import Reward, RewardOptions
 from omni.rewards.brightness import brightness
 from omni.trainer import Trainer
-
+from omni.validation import validate
 
 
 def fastest(fn, repeats: int):
@@ -121,9 +120,15 @@ def bench_rollout(trainer: Trainer, n_images: int, repeats: int) -> dict:
     def plain():
         with torch.no_grad():
             pipe(
-                prompts, num_inference_steps=options.num_steps, height=options.resolution, width=options.resolution,
-                max_sequence_length=options.max_sequence_length, generator=[torch.Generator().manual_seed(s) for s in seeds],
-                output_type="pt", **trainer.family.pipeline_guidance(options.guidance_scale), **frames,
+                prompts,
+                num_inference_steps=options.num_steps,
+                height=options.resolution,
+                width=options.resolution,
+                max_sequence_length=options.max_sequence_length,
+                generator=[torch.Generator().manual_seed(s) for s in seeds],
+                output_type="pt",
+                **trainer.family.pipeline_guidance(options.guidance_scale),
+                **frames,
             )
 
     ours_s, cached_s, plain_s = best_times_interleaved([ours, ours_cached, plain], repeats)
@@ -144,7 +149,9 @@ def bench_rollout(trainer: Trainer, n_images: int, repeats: int) -> dict:
 
 def bench_update(trainer: Trainer, repeats: int) -> dict:
     options = trainer.ctx.sampling_options(trainer.ctx.sde_window(0))
-    batch = flow_grpo.GRPOBatch(trainer.worker.generate(["a red cat"] * 8, list(range(8)), options), torch.linspace(-1, 1, 8))
+    batch = flow_grpo.GRPOBatch(
+        trainer.worker.generate(["a red cat"] * 8, list(range(8)), options), torch.linspace(-1, 1, 8)
+    )
     seconds = best_time(lambda: trainer.worker.apply_update(flow_grpo.update, batch, seed=0), repeats)
     transitions = len(batch) * options.num_steps * trainer.cfg.algorithm.num_inner_epochs
     return {"transitions_per_s": transitions / seconds, "samples_per_s": len(batch) / seconds}
@@ -161,11 +168,23 @@ def bench_dpo(out_dir: str, repeats: int, overrides=()) -> dict:
 
     pairs = write_synthetic_pairs(Path(out_dir) / "pairs", n_pairs=40, resolution=64, seed=0)
     # the VAE's encoder, as a trained VAE encodes (the tiny model's decoder inversion is a stand-in)
-    trainer = make_trainer(out_dir, *overrides, "algorithm=dpo", "data=pairs", f"data.pairs={pairs}", "trainer.batch_size=16",
-                           "model.vae_inversion_steps=0")
+    trainer = make_trainer(
+        out_dir,
+        *overrides,
+        "algorithm=dpo",
+        "data=pairs",
+        f"data.pairs={pairs}",
+        "trainer.batch_size=16",
+        "model.vae_inversion_steps=0",
+    )
     counter = iter(range(10_000))
     seconds = best_time(lambda: trainer.algorithm.step(next(counter)), repeats)
-    result = {"settings": settings(trainer), "pairs_per_step": 16, "seconds_per_step": seconds, "seconds_per_pair": seconds / 16}
+    result = {
+        "settings": settings(trainer),
+        "pairs_per_step": 16,
+        "seconds_per_step": seconds,
+        "seconds_per_pair": seconds / 16,
+    }
     trainer.cleanup()
     return result
 
@@ -184,18 +203,26 @@ class Delayed(Reward):
 
 
 def bench_reward_overlap(out_dir: str, repeats: int, overrides=()) -> dict:
-    trainer = make_trainer(out_dir, *overrides, "trainer.batch_size=8", "algorithm.group_size=4", "rollout.micro_batch_size=2")
+    trainer = make_trainer(
+        out_dir, *overrides, "trainer.batch_size=8", "algorithm.group_size=4", "rollout.micro_batch_size=2"
+    )
     options = trainer.ctx.sampling_options(trainer.ctx.sde_window(0))
     rollout_s = best_time(lambda: trainer.worker.generate(["a red cat"] * 8, step_seeds(0, 0, 8), options), repeats)
     trainer.ctx.reward.rewards = {"delayed": Delayed(rollout_s / 8)}  # as slow as the rollout
-    counter, result = iter(range(10_000)), {"settings": {**settings(trainer), "reward_seconds_per_image": rollout_s / 8}}
+    counter, result = (
+        iter(range(10_000)),
+        {"settings": {**settings(trainer), "reward_seconds_per_image": rollout_s / 8}},
+    )
     for overlap in (False, True):
         trainer.cfg.reward.overlap = overlap
         seconds, metrics = fastest(lambda: trainer.algorithm.step(next(counter)), repeats)
         other = metrics["time/update"] + metrics["time/sync"]
         result[f"overlap_{'on' if overlap else 'off'}"] = {
             "seconds_per_step": seconds,
-            **{key: metrics[key] for key in ("time/rollout", "time/reward", "time/reward_wait", "time/update", "time/sync")},
+            **{
+                key: metrics[key]
+                for key in ("time/rollout", "time/reward", "time/reward_wait", "time/update", "time/sync")
+            },
             "longer_of_rollout_and_reward_plus_update": max(metrics["time/rollout"], metrics["time/reward"]) + other,
             "sum_of_rollout_and_reward_plus_update": metrics["time/rollout"] + metrics["time/reward"] + other,
         }
@@ -216,7 +243,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--reward-overlap", action="store_true", help="only the reward.overlap benchmark")
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which benchmarks to run (default: all)")
+    parser.add_argument(
+        "--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which benchmarks to run (default: all)"
+    )
     parser.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's choice)")
     args, overrides = parser.parse_known_args()
     if args.threads:

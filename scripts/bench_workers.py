@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from omni.composing import compose_train
-from omni.validation import validate
 from omni.trainer import Trainer
+from omni.validation import validate
 
 # inside the workers: the update's seconds, and those of a replicated base's gradient all-reduces
 WORKER_TIMES = ("train/worker_seconds", "train/allreduce_seconds")
@@ -123,7 +123,11 @@ def main() -> None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the Ray workers
         torch.set_num_threads(args.threads)
     results = bench(args.workers, args.fsdp_version, args.steps)
-    settings = {"cpu_cores": os.cpu_count(), "threads_per_worker": args.threads or torch.get_num_threads(), "steps": args.steps}
+    settings = {
+        "cpu_cores": os.cpu_count(),
+        "threads_per_worker": args.threads or torch.get_num_threads(),
+        "steps": args.steps,
+    }
     speedups = {k: v["speedup_over_one_worker"] for k, v in results.items() if "speedup_over_one_worker" in v}
     report = {**settings, **results, "speedup_over_one_worker": speedups}
     print(json.dumps(report, indent=2))

@@ -73,7 +73,15 @@ def start_run(variant: str, seed: int, args) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     log = open(run_dir.parent / f"{run_dir.name}.log", "w")
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return {"variant": variant, "seed": seed, "dir": run_dir, "process": process, "log": log, "start": time.time(), "curve": []}
+    return {
+        "variant": variant,
+        "seed": seed,
+        "dir": run_dir,
+        "process": process,
+        "log": log,
+        "start": time.time(),
+        "curve": [],
+    }
 
 
 def follow(run: dict) -> None:
@@ -94,7 +102,12 @@ def result_of(run: dict, batch_size: int) -> dict:
         raise RuntimeError(f"{run['variant']} seed {run['seed']} failed; see {run_dir}.log")
     for point in run["curve"]:
         point["images"] = point["step"] * batch_size
-    result = {"variant": run["variant"], "seed": run["seed"], "curve": run["curve"], "wall_s": time.time() - run["start"]}
+    result = {
+        "variant": run["variant"],
+        "seed": run["seed"],
+        "curve": run["curve"],
+        "wall_s": time.time() - run["start"],
+    }
     result.update(paired_gain(json.loads((run_dir / "eval.json").read_text())))
     (run_dir / "comparison.json").write_text(json.dumps(result))
     return result
@@ -176,7 +189,11 @@ def main() -> None:
     text = table(results, args.variants)
     (args.out / "table.md").write_text(text)
     plotted = plot(results, args.variants, args.out / "curves.png")
-    print(text + f"written: {args.out / 'results.json'}, {args.out / 'table.md'}" + (f", {args.out / 'curves.png'}" if plotted else ""))
+    print(
+        text
+        + f"written: {args.out / 'results.json'}, {args.out / 'table.md'}"
+        + (f", {args.out / 'curves.png'}" if plotted else "")
+    )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,16 @@ def sample(pipe, items, steps: int, guidance: float, size: int = 64, chunk: int 
     for start in range(0, len(items), chunk):
         part = items[start : start + chunk]
         generators = [torch.Generator().manual_seed(start + k) for k in range(len(part))]
-        out = pipe(prompt=[item["prompt"] for item in part], num_inference_steps=steps, guidance_scale=guidance, height=size,
-                   width=size, generator=generators, output_type="pt", max_sequence_length=16)
+        out = pipe(
+            prompt=[item["prompt"] for item in part],
+            num_inference_steps=steps,
+            guidance_scale=guidance,
+            height=size,
+            width=size,
+            generator=generators,
+            output_type="pt",
+            max_sequence_length=16,
+        )
         images.append(out.images.float())
     return torch.cat(images)
 
@@ -40,7 +48,9 @@ def accuracy_table(images: torch.Tensor, items) -> dict:
 
     prompts = [Prompt(item["prompt"], item) for item in items]
     correct = SceneGeneval("scene_geneval", SceneGenevalOptions()).score_details(images, prompts)[1]["accuracy"]
-    table = {tag: float(correct[[i for i, item in enumerate(items) if item["tag"] == tag]].mean()) for tag in scenes.TAGS}
+    table = {
+        tag: float(correct[[i for i, item in enumerate(items) if item["tag"] == tag]].mean()) for tag in scenes.TAGS
+    }
     table["overall"] = float(correct.mean())
     return table
 

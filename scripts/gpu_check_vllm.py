@@ -27,17 +27,23 @@ from pathlib import Path
 import torch
 
 from omni.config.model import LoraConfig
-from omni.rollout.vllm_options import VllmOptions
 from omni.models.sd3 import FAMILY, build_tiny_sd3_pipeline, build_tiny_transformer
 from omni.rollout.base import SamplingOptions
 from omni.rollout.diffusers_engine import load_diffusers_engine
 from omni.rollout.sampling import rescore_log_probs
 from omni.rollout.vllm_engine import VllmEngine
+from omni.rollout.vllm_options import VllmOptions
 from omni.weights import add_lora_adapter, lora_tensors, plain_base_names
 
 SD35_MEDIUM = dict(
-    num_layers=24, attention_head_dim=64, num_attention_heads=24, caption_projection_dim=1536,
-    qk_norm="rms_norm", dual_attention_layers=tuple(range(13)), sample_size=64, pos_embed_max_size=192,
+    num_layers=24,
+    attention_head_dim=64,
+    num_attention_heads=24,
+    caption_projection_dim=1536,
+    qk_norm="rms_norm",
+    dual_attention_layers=tuple(range(13)),
+    sample_size=64,
+    pos_embed_max_size=192,
 )
 LORA = LoraConfig(rank=32, alpha=64, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
 
@@ -78,14 +84,19 @@ def first_update_ratio(local, batch) -> dict:
     start, stop = batch.options.sde_steps
     rescored = rescore_log_probs(FAMILY, local.transformer, batch, local.dtype)
     ratio = torch.exp((rescored - batch.log_probs)[:, start:stop].double())
-    return {"first_update_mean_abs_ratio_minus_1": float((ratio - 1).abs().mean()), "first_update_max_abs_ratio_minus_1": float((ratio - 1).abs().max())}
+    return {
+        "first_update_mean_abs_ratio_minus_1": float((ratio - 1).abs().mean()),
+        "first_update_max_abs_ratio_minus_1": float((ratio - 1).abs().max()),
+    }
 
 
 def check_backend(backend, args, model, device, dtype, workdir, base, lora, local, prompts, seeds, options) -> dict:
     """Start an engine of `backend` without base weights, sync the base then the LoRA, time
     its rollouts and compare its log-probs with the in-process engine's."""
     engine_options = VllmOptions(python=args.python, backend=backend)
-    engine = VllmEngine.start(FAMILY, engine_options, model, device, dtype, args.micro_batch, False, workdir / f"run-{backend}")
+    engine = VllmEngine.start(
+        FAMILY, engine_options, model, device, dtype, args.micro_batch, False, workdir / f"run-{backend}"
+    )
     try:
         start = time.perf_counter()
         engine.update_weights(base, base_sync_done=False, lora=None)
@@ -95,7 +106,8 @@ def check_backend(backend, args, model, device, dtype, workdir, base, lora, loca
         sync_lora = time.perf_counter() - start
         result = {
             "images_per_s": round(images_per_second(engine, prompts, seeds, options), 3),
-            "sync_base_s": round(sync_base, 2), "sync_lora_s": round(sync_lora, 3),
+            "sync_base_s": round(sync_base, 2),
+            "sync_lora_s": round(sync_lora, 3),
         }
         # bf16 kernels differ with batch composition (and native's are vLLM-Omni's, its
         # LoRA in the model's dtype): expect small, not zero, differences
@@ -117,25 +129,39 @@ def main() -> None:
     parser.add_argument("--python", default=None, help="engine env python (default: as rollout=vllm finds it)")
     parser.add_argument("--workdir", default="/tmp/omni-gpu-check")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run (with --size tiny)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), help="the transformer's (default: bfloat16 on cuda, else float32)")
+    parser.add_argument(
+        "--dtype", choices=("bfloat16", "float32"), help="the transformer's (default: bfloat16 on cuda, else float32)"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     workdir = Path(args.workdir)
     model = build_checkpoint(workdir / f"sd3-{args.size}", args.size)
-    options = SamplingOptions(num_steps=10, resolution=args.resolution, guidance_scale=4.5, noise_level=0.7, max_sequence_length=256, sde_steps=(0, 10))
+    options = SamplingOptions(
+        num_steps=10,
+        resolution=args.resolution,
+        guidance_scale=4.5,
+        noise_level=0.7,
+        max_sequence_length=256,
+        sde_steps=(0, 10),
+    )
     prompts = [f"a photo of a {c} cat" for c in ("red", "green", "blue", "white")] * (args.images // 4)
     seeds = list(range(len(prompts)))
 
     local = load_diffusers_engine(FAMILY, model, device, dtype, args.micro_batch, load_base=True)
     base, lora = trained_weights(local)
     report = {
-        "size": args.size, "transformer_params_m": round(sum(t.numel() for t in base.values()) / 1e6, 1),
-        "images": len(prompts), "resolution": args.resolution, "steps": options.num_steps,
+        "size": args.size,
+        "transformer_params_m": round(sum(t.numel() for t in base.values()) / 1e6, 1),
+        "images": len(prompts),
+        "resolution": args.resolution,
+        "steps": options.num_steps,
         "diffusers_images_per_s": round(images_per_second(local, prompts, seeds, options), 3),
     }
     for backend in args.backends.split(","):  # one engine at a time: each holds its own copy
-        report[backend] = check_backend(backend, args, model, device, dtype, workdir, base, lora, local, prompts, seeds, options)
+        report[backend] = check_backend(
+            backend, args, model, device, dtype, workdir, base, lora, local, prompts, seeds, options
+        )
     print(json.dumps(report))
 
 

@@ -27,10 +27,17 @@ def main() -> None:
     parser.add_argument("--image-format", choices=list(IMAGE_FORMATS), default="png")
     parser.add_argument("--shard-size", type=int, default=5000, help="rows per parquet shard")
     args = parser.parse_args()
-    print(write_synthetic_pairs(
-        args.out_dir, args.n_pairs, args.resolution, args.seed, layout=args.layout, shard_size=args.shard_size,
-        image_format=args.image_format,
-    ))
+    print(
+        write_synthetic_pairs(
+            args.out_dir,
+            args.n_pairs,
+            args.resolution,
+            args.seed,
+            layout=args.layout,
+            shard_size=args.shard_size,
+            image_format=args.image_format,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -59,39 +59,84 @@ TEXT_LENGTH = 16  # T5's tokens: a scene word is one sentencepiece
 # of another word, such as "an", fires inside "triangle" first), so a prompt takes up to ~22.
 CLIP_LENGTH = 32
 VAE_CHANNELS = (16, 32, 32)  # three levels: factor 4
-TRANSFORMER = dict(sample_size=16, patch_size=2, in_channels=4, num_layers=6, attention_head_dim=16, num_attention_heads=4,
-                   joint_attention_dim=64, caption_projection_dim=64, pooled_projection_dim=64, out_channels=4, pos_embed_max_size=16)
+TRANSFORMER = dict(
+    sample_size=16,
+    patch_size=2,
+    in_channels=4,
+    num_layers=6,
+    attention_head_dim=16,
+    num_attention_heads=4,
+    joint_attention_dim=64,
+    caption_projection_dim=64,
+    pooled_projection_dim=64,
+    out_channels=4,
+    pos_embed_max_size=16,
+)
 KL_WEIGHT = 1e-6
 
 
 def micro_pipeline(seed: int, layers: int = TRANSFORMER["num_layers"], heads: int = TRANSFORMER["num_attention_heads"]):
     """The untrained micro pipeline, identical for identical seeds."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
 
     words = scenes.WORDS
     clip_tok, t5_tok = clip_tokenizer(CLIP_LENGTH, words), t5_tokenizer(TEXT_LENGTH, words)
     torch.manual_seed(seed)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * len(VAE_CHANNELS),
-                        up_block_types=("UpDecoderBlock2D",) * len(VAE_CHANNELS), block_out_channels=VAE_CHANNELS,
-                        layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=64,
-                        use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0, scaling_factor=1.0)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * len(VAE_CHANNELS),
+        up_block_types=("UpDecoderBlock2D",) * len(VAE_CHANNELS),
+        block_out_channels=VAE_CHANNELS,
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=64,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0,
+        scaling_factor=1.0,
+    )
     torch.manual_seed(seed + 1)
-    transformer = SD3Transformer2DModel(**{**TRANSFORMER, "num_layers": layers, "num_attention_heads": heads,
-                                           "caption_projection_dim": heads * TRANSFORMER["attention_head_dim"]})
+    transformer = SD3Transformer2DModel(
+        **{
+            **TRANSFORMER,
+            "num_layers": layers,
+            "num_attention_heads": heads,
+            "caption_projection_dim": heads * TRANSFORMER["attention_head_dim"],
+        }
+    )
     return StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae,
-        text_encoder=clip_encoder(clip_tok, seed + 2), tokenizer=clip_tok,
-        text_encoder_2=clip_encoder(clip_tok, seed + 3), tokenizer_2=clip_tokenizer(CLIP_LENGTH, words),
-        text_encoder_3=t5_encoder(t5_tok, seed + 4, TRANSFORMER["joint_attention_dim"]), tokenizer_3=t5_tok,
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
+        vae=vae,
+        text_encoder=clip_encoder(clip_tok, seed + 2),
+        tokenizer=clip_tok,
+        text_encoder_2=clip_encoder(clip_tok, seed + 3),
+        tokenizer_2=clip_tokenizer(CLIP_LENGTH, words),
+        text_encoder_3=t5_encoder(t5_tok, seed + 4, TRANSFORMER["joint_attention_dim"]),
+        tokenizer_3=t5_tok,
     )
 
 
 def scene_batch(items, step: int, batch: int, size: int, seed: int):
     """Step `step`'s prompts and renders: items taken in a seeded order, each drawn with its own seed."""
-    order = torch.randperm(len(items), generator=seeding.seeded_generator(seed, step // (len(items) // batch), seeding.MINIBATCHES))
+    order = torch.randperm(
+        len(items), generator=seeding.seeded_generator(seed, step // (len(items) // batch), seeding.MINIBATCHES)
+    )
     start = (step % (len(items) // batch)) * batch
     picked = [items[int(i)] for i in order[start : start + batch]]
-    images = torch.stack([scenes.render(item, size, seeding.derive_seed(seed, step * batch + k, seeding.SCENE_IMAGES)) for k, item in enumerate(picked)])
+    images = torch.stack(
+        [
+            scenes.render(item, size, seeding.derive_seed(seed, step * batch + k, seeding.SCENE_IMAGES))
+            for k, item in enumerate(picked)
+        ]
+    )
     return [item["prompt"] for item in picked], images
 
 
@@ -114,7 +159,9 @@ def train_vae(vae, items, args) -> list:
 @torch.no_grad()
 def set_latent_scale(vae, items, args) -> None:
     """shift_factor and scaling_factor: the latents' mean and 1 / std over a few batches."""
-    z = torch.cat([vae.encode(scene_batch(items, s, 32, args.size, args.seed + 1)[1] * 2 - 1).latent_dist.mean for s in range(4)])
+    z = torch.cat(
+        [vae.encode(scene_batch(items, s, 32, args.size, args.seed + 1)[1] * 2 - 1).latent_dist.mean for s in range(4)]
+    )
     vae.register_to_config(shift_factor=float(z.mean()), scaling_factor=float(1 / z.std()))
 
 
@@ -128,7 +175,9 @@ def vae_round_trip(vae, size: int) -> float:
     images = torch.stack([scenes.render(item, size, i) for i, item in enumerate(items)])
     decoded = (vae.decode(vae.encode(images * 2 - 1).latent_dist.mean).sample / 2 + 0.5).clamp(0, 1)
     prompts = [Prompt(item["prompt"], item) for item in items]
-    return float(SceneGeneval("scene_geneval", SceneGenevalOptions()).score_details(decoded, prompts)[1]["accuracy"].mean())
+    return float(
+        SceneGeneval("scene_geneval", SceneGenevalOptions()).score_details(decoded, prompts)[1]["accuracy"].mean()
+    )
 
 
 @torch.no_grad()
@@ -143,16 +192,30 @@ def latent_pool(pipe, items, args):
     latents = []
     for start in range(0, args.pool, 64):
         chunk = picked[start : start + 64]
-        images = torch.stack([scenes.render(item, args.size, args.seed * 1_000_003 + start + k) for k, item in enumerate(chunk)])
-        latents.append((vae.encode(images * 2 - 1).latent_dist.mean - vae.config.shift_factor) * vae.config.scaling_factor)
+        images = torch.stack(
+            [scenes.render(item, args.size, args.seed * 1_000_003 + start + k) for k, item in enumerate(chunk)]
+        )
+        latents.append(
+            (vae.encode(images * 2 - 1).latent_dist.mean - vae.config.shift_factor) * vae.config.scaling_factor
+        )
     embeds, pooled = [], []
     for start in range(0, len(texts), 256):
-        e, _, p, _ = pipe.encode_prompt(prompt=texts[start : start + 256], prompt_2=None, prompt_3=None,
-                                        do_classifier_free_guidance=False, max_sequence_length=TEXT_LENGTH)
+        e, _, p, _ = pipe.encode_prompt(
+            prompt=texts[start : start + 256],
+            prompt_2=None,
+            prompt_3=None,
+            do_classifier_free_guidance=False,
+            max_sequence_length=TEXT_LENGTH,
+        )
         embeds.append(e)
         pooled.append(p)
     index = {text: i for i, text in enumerate(texts)}
-    return torch.cat(latents), torch.tensor([index[item["prompt"]] for item in picked]), torch.cat(embeds), torch.cat(pooled)
+    return (
+        torch.cat(latents),
+        torch.tensor([index[item["prompt"]] for item in picked]),
+        torch.cat(embeds),
+        torch.cat(pooled),
+    )
 
 
 def learning_rate(step: int, args) -> float:
@@ -173,8 +236,12 @@ def flow_matching_loss(transformer, pool, step: int, args):
     text = torch.where(torch.rand(args.batch, generator=g) < args.uncond, torch.zeros_like(text), text)
     noise = torch.randn(z.shape, generator=g)
     t = torch.sigmoid(torch.randn(args.batch, generator=g))[:, None, None, None]
-    pred = transformer(hidden_states=(1 - t) * z + t * noise, encoder_hidden_states=embeds[text], pooled_projections=pooled[text],
-                       timestep=t.flatten() * 1000).sample
+    pred = transformer(
+        hidden_states=(1 - t) * z + t * noise,
+        encoder_hidden_states=embeds[text],
+        pooled_projections=pooled[text],
+        timestep=t.flatten() * 1000,
+    ).sample
     return F.mse_loss(pred, noise - z)
 
 
@@ -208,13 +275,18 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--vae-steps", type=int, default=800)
-    parser.add_argument("--vae-from", help="take the VAE of this checkpoint (one this script wrote with the same "
-                        "--seed and --vae-steps: the same weights) instead of training it")
+    parser.add_argument(
+        "--vae-from",
+        help="take the VAE of this checkpoint (one this script wrote with the same "
+        "--seed and --vae-steps: the same weights) instead of training it",
+    )
     parser.add_argument("--steps", type=int, default=7000, help="transformer steps")
     parser.add_argument("--batch", type=int, default=32, help="transformer batch")
     parser.add_argument("--pool", type=int, default=8192, help="renders whose latents the transformer trains on")
     parser.add_argument("--layers", type=int, default=TRANSFORMER["num_layers"])
-    parser.add_argument("--heads", type=int, default=TRANSFORMER["num_attention_heads"], help="attention heads of 16 channels")
+    parser.add_argument(
+        "--heads", type=int, default=TRANSFORMER["num_attention_heads"], help="attention heads of 16 channels"
+    )
     parser.add_argument("--vae-batch", type=int, default=16)
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -223,7 +295,9 @@ def parse_args(argv=None):
     parser.add_argument("--uncond", type=float, default=0.05, help="share of prompts replaced by the empty one")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--save-every", type=int, default=0, help="also write out_dir-stepN every N steps (EMA weights)")
+    parser.add_argument(
+        "--save-every", type=int, default=0, help="also write out_dir-stepN every N steps (EMA weights)"
+    )
     return parser.parse_args(argv)
 
 
@@ -233,14 +307,21 @@ def prepare(args):
     torch.use_deterministic_algorithms(True)
     pipe = micro_pipeline(args.seed, args.layers, args.heads)
     items = scenes.training_prompts(4096, args.seed)
-    report = {"vae_parameters": sum(p.numel() for p in pipe.vae.parameters()),
-              "transformer_parameters": sum(p.numel() for p in pipe.transformer.parameters())}
+    report = {
+        "vae_parameters": sum(p.numel() for p in pipe.vae.parameters()),
+        "transformer_parameters": sum(p.numel() for p in pipe.transformer.parameters()),
+    }
     start = time.perf_counter()
     if args.vae_from:
         from diffusers import AutoencoderKL
 
         pipe.vae.load_state_dict(AutoencoderKL.from_pretrained(args.vae_from, subfolder="vae").state_dict())
-        pipe.vae.register_to_config(**{k: AutoencoderKL.load_config(args.vae_from, subfolder="vae")[k] for k in ("shift_factor", "scaling_factor")})
+        pipe.vae.register_to_config(
+            **{
+                k: AutoencoderKL.load_config(args.vae_from, subfolder="vae")[k]
+                for k in ("shift_factor", "scaling_factor")
+            }
+        )
     else:
         vae_losses = train_vae(pipe.vae, items, args)
         report["vae_s_per_step"] = (time.perf_counter() - start) / max(args.vae_steps, 1)

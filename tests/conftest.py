@@ -98,4 +98,6 @@ def training_options(cfg, step: int):
 
     ctx = StepContext(cfg, None, [], [], None)
     algo = cfg.algorithm
-    return ctx.sampling_options(ctx.sde_window(step, getattr(algo, "sde_window_size", 0), getattr(algo, "sde_window_range", None)))
+    return ctx.sampling_options(
+        ctx.sde_window(step, getattr(algo, "sde_window_size", 0), getattr(algo, "sde_window_range", None))
+    )

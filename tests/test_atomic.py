@@ -62,7 +62,9 @@ def test_what_is_renamed_into_place_respects_the_umask(tmp_path, umask):
     """Not the private 0700/0600 of the temporary names: the modes `mkdir` and `open` give."""
     old = os.umask(umask)
     try:
-        final = write_directory(tmp_path / "step_000001", lambda tmp: (tmp / "sub").mkdir() or (tmp / "sub" / "w").write_bytes(b"1"))
+        final = write_directory(
+            tmp_path / "step_000001", lambda tmp: (tmp / "sub").mkdir() or (tmp / "sub" / "w").write_bytes(b"1")
+        )
         write_text(tmp_path / "latest", "step_000001")
     finally:
         os.umask(old)

@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from omni.bench import flow_grpo as bench
 from omni.validation import validate
 from tests.conftest import compose_config
 
-from omni.bench import flow_grpo as bench
-
 S = bench.SETTINGS
 
-FAKE_BASE = '''
+FAKE_BASE = """
 from types import SimpleNamespace as N
 
 def get_config():
@@ -28,7 +27,7 @@ def get_config():
                       num_image_per_prompt=1, num_batches_per_epoch=1, test_batch_size=1, global_std=False),
              train=N(batch_size=1, gradient_accumulation_steps=2, num_inner_epochs=2, timestep_fraction=0.5, clip_range=1.0,
                      learning_rate=1.0, beta=1.0, ema=True, cfg=False))
-'''
+"""
 
 
 def prompt_dir(tmp_path):
@@ -43,15 +42,29 @@ def test_ours_overrides_compose_and_validate_to_the_shared_settings(tiny_sd3_dir
     images = S["prompts_per_step"] * S["images_per_prompt"]
     assert (cfg.trainer.batch_size, cfg.algorithm.group_size, cfg.trainer.steps) == (images, S["images_per_prompt"], 4)
     assert cfg.rollout.micro_batch_size == images and cfg.algorithm.num_minibatches == S["minibatches"]
-    assert cfg.trainer.micro_batch_size == images * S["denoising_steps"] // S["minibatches"]  # a whole minibatch per pass
+    assert (
+        cfg.trainer.micro_batch_size == images * S["denoising_steps"] // S["minibatches"]
+    )  # a whole minibatch per pass
     rollout = cfg.rollout
     assert (rollout.num_steps, rollout.resolution, rollout.guidance_scale, rollout.noise_level) == (
         S["denoising_steps"], S["resolution"], S["guidance_scale"], S["noise_level"])  # fmt: skip
-    assert (cfg.algorithm.clip_range, cfg.trainer.lr, cfg.model.max_sequence_length) == (S["clip_range"], S["lr"], S["t5_length"])
-    assert (cfg.model.lora.rank, cfg.model.lora.alpha, list(cfg.model.lora.target_modules)) == (S["lora_rank"], S["lora_alpha"], S["lora_targets"])
+    assert (cfg.algorithm.clip_range, cfg.trainer.lr, cfg.model.max_sequence_length) == (
+        S["clip_range"],
+        S["lr"],
+        S["t5_length"],
+    )
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha, list(cfg.model.lora.target_modules)) == (
+        S["lora_rank"],
+        S["lora_alpha"],
+        S["lora_targets"],
+    )
     assert [str(b.value) for b in cfg.logger.backends] == ["console"] and cfg.logger.console_every == 1
     assert cfg.algorithm.cfg_gradient.value == "both"
-    conditional = validate(compose_config([*(o for o in overrides if not o.startswith("hydra.")), *bench.OUR_VARIANTS["ours_cfg_conditional"]]))
+    conditional = validate(
+        compose_config(
+            [*(o for o in overrides if not o.startswith("hydra.")), *bench.OUR_VARIANTS["ours_cfg_conditional"]]
+        )
+    )
     assert conditional.algorithm.cfg_gradient.value == "conditional"
 
 
@@ -72,11 +85,22 @@ def test_flow_grpo_config_sets_the_same_work(tmp_path):
     sample, train = config.sample, config.train
     assert sample.train_batch_size * sample.num_batches_per_epoch == S["prompts_per_step"] * S["images_per_prompt"]
     assert sample.num_image_per_prompt == S["images_per_prompt"] and sample.num_batches_per_epoch == S["minibatches"]
-    assert train.batch_size == sample.train_batch_size and train.gradient_accumulation_steps == 1  # a step per minibatch
+    assert (
+        train.batch_size == sample.train_batch_size and train.gradient_accumulation_steps == 1
+    )  # a step per minibatch
     assert (sample.num_steps, config.resolution, sample.guidance_scale, sample.noise_level) == (
         S["denoising_steps"], S["resolution"], S["guidance_scale"], S["noise_level"])  # fmt: skip
-    assert (train.clip_range, train.learning_rate, train.timestep_fraction, train.beta) == (S["clip_range"], S["lr"], 1.0, 0.0)
-    assert config.pretrained.model == "/model" and config.reward_fn == {S["reward"]: 1.0} and config.mixed_precision == "no"
+    assert (train.clip_range, train.learning_rate, train.timestep_fraction, train.beta) == (
+        S["clip_range"],
+        S["lr"],
+        1.0,
+        0.0,
+    )
+    assert (
+        config.pretrained.model == "/model"
+        and config.reward_fn == {S["reward"]: 1.0}
+        and config.mixed_precision == "no"
+    )
 
 
 def test_flow_grpo_config_refuses_a_field_their_base_lacks(tmp_path):

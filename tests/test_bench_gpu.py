@@ -19,9 +19,8 @@ def script():
 
 
 def test_every_published_architecture_of_the_families_has_settings(script):
-    from omni.models import get_family
-
     from omni.flops import ARCH_SETTINGS
+    from omni.models import get_family
 
     assert set(ARCH_SETTINGS) == {arch for name in script.FAMILIES for arch in get_family(name).published_configs}
 
@@ -36,7 +35,10 @@ def test_estimate_of_the_default_architectures_fits_eight_minutes(script, capsys
     assert (flux["settings"]["text_tokens"], flux["settings"]["passes"]) == (512, 1)
     assert sd3["settings"]["image_tokens"] == flux["settings"]["image_tokens"] == (512 // 16) ** 2
     assert 2.2e9 < sd3["settings"]["params"] < 2.3e9 and 11.8e9 < flux["settings"]["params"] < 12e9
-    assert set(sd3["estimated_s"]) == {"rollout", "update both", "update conditional"} and set(flux["estimated_s"]) == {"rollout", "update both"}
+    assert set(sd3["estimated_s"]) == {"rollout", "update both", "update conditional"} and set(flux["estimated_s"]) == {
+        "rollout",
+        "update both",
+    }
     # FLUX does more work per image than SD3.5-Medium; the whole timed work leaves minutes for the builds
     assert flux["estimated_s"]["rollout"] > sd3["estimated_s"]["rollout"] > 0
     assert sum(sd3["estimated_s"].values()) + sum(flux["estimated_s"].values()) < 240
@@ -67,7 +69,11 @@ def test_time_budget_skips_a_phase_that_does_not_fit(script):
     notes = []
     assert budget.fits("update both", 5 * 1e12 * script.ASSUMED_MFU, notes) and notes == []
     assert not budget.fits("update conditional", 50 * 1e12 * script.ASSUMED_MFU, notes)
-    assert len(notes) == 1 and notes[0].startswith("update conditional: skipped, estimated 50 s") and "--time-budget-s" in notes[0]
+    assert (
+        len(notes) == 1
+        and notes[0].startswith("update conditional: skipped, estimated 50 s")
+        and "--time-budget-s" in notes[0]
+    )
 
 
 @pytest.mark.slow
@@ -81,7 +87,9 @@ def test_bench_gpu_reports_every_figure_for_both_families(script, tiny_cache, ca
         rollout, updates = section["rollout"], section["update"]
         assert section["skipped"] == [] and section["settings"]["params"] > 0 and section["lora_collect_seconds"] > 0
         assert rollout["ours_images_per_s"] > 0 and rollout["diffusers_images_per_s"] > 0 and rollout["mfu"] > 0
-        assert rollout["ours_over_diffusers"] == pytest.approx(rollout["ours_images_per_s"] / rollout["diffusers_images_per_s"], rel=0.01)
+        assert rollout["ours_over_diffusers"] == pytest.approx(
+            rollout["ours_images_per_s"] / rollout["diffusers_images_per_s"], rel=0.01
+        )
         assert set(updates) == cfg_gradients
         for update in updates.values():
             assert set(update["transitions_per_s"]) == set(update["mfu"]) == {"plain", "checkpointing"}
@@ -110,6 +118,7 @@ def test_ratio_noise_floor_is_zero_in_fp32_and_sees_a_changed_actor(script, tiny
     assert floor["max_abs_ratio_minus_1"] < 1e-4
 
     sample = script.sample_trajectories
+
     def moved(*a, **k):  # the engine samples, then the actor's weights move before it re-scores
         out = sample(*a, **k)
         with torch.no_grad():
@@ -126,7 +135,9 @@ def test_ratio_noise_floor_is_zero_in_fp32_and_sees_a_changed_actor(script, tiny
 
 
 def test_estimate_error_is_in_percent_of_the_measured_peak(script):
-    assert script.estimate_error({"plain": 20.0, "checkpointing": None}, {"plain": 15.0, "checkpointing": 5.0}) == {"plain": -25.0}
+    assert script.estimate_error({"plain": 20.0, "checkpointing": None}, {"plain": 15.0, "checkpointing": 5.0}) == {
+        "plain": -25.0
+    }
 
 
 @pytest.mark.slow
@@ -135,7 +146,9 @@ def test_gpu_suite_without_a_gpu_runs_the_cpu_checks_and_says_so(tmp_path):
     import sys
 
     out = tmp_path / "suite.json"
-    subprocess.run([sys.executable, str(SCRIPT.parent / "gpu_suite.py"), "--out", str(out), "--budget-s", "300"], check=True)
+    subprocess.run(
+        [sys.executable, str(SCRIPT.parent / "gpu_suite.py"), "--out", str(out), "--budget-s", "300"], check=True
+    )
     report = json.loads(out.read_text())
     assert report["gpu"] is None and "no GPU" in report["note"]
     assert set(report["parts"]) == {"bench_sd3.5-medium", "bench_flux.1-dev", "fsdp"}

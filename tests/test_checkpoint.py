@@ -40,7 +40,11 @@ def test_resume_skips_damaged_and_missing_checkpoints(tmp_path):
     (tmp_path / "latest").write_text("step_000009")  # names one that is gone
     found, skipped = checkpoint.resumable_checkpoint(tmp_path, MODEL)
     assert found == tmp_path / "step_000002"
-    assert len(skipped) == 2 and "step_000005/trainer_state.pt" in skipped[0] and "step_000004/pytorch_lora_weights" in skipped[1]
+    assert (
+        len(skipped) == 2
+        and "step_000005/trainer_state.pt" in skipped[0]
+        and "step_000004/pytorch_lora_weights" in skipped[1]
+    )
 
 
 def test_a_damaged_checkpoint_is_never_loaded(tmp_path):
@@ -51,7 +55,11 @@ def test_a_damaged_checkpoint_is_never_loaded(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "lora_kwargs,message", [({"rank": 8}, "saved LoRA rank 8, configured 4 \\(model.lora.rank\\)"), ({"targets": ("to_q", "to_v")}, "missing \\['to_k'\\]")]
+    "lora_kwargs,message",
+    [
+        ({"rank": 8}, "saved LoRA rank 8, configured 4 \\(model.lora.rank\\)"),
+        ({"targets": ("to_q", "to_v")}, "missing \\['to_k'\\]"),
+    ],
 )
 def test_a_checkpoint_of_another_lora_is_named(tmp_path, lora_kwargs, message):
     directory = save(tmp_path, 1, **lora_kwargs)
@@ -64,7 +72,10 @@ def test_a_checkpoint_of_another_lora_is_named(tmp_path, lora_kwargs, message):
     [
         ({"family": "flux"}, "saved model family flux, configured sd3 \\(model.family\\)"),
         ({"lora": None}, "saved the whole transformer \\(full fine-tuning, model.lora=null\\), configured a LoRA"),
-        ({"lora": {"rank": 4, "alpha": 4.0, "target_modules": ["to_k", "to_q"]}}, "saved LoRA alpha 4.0, configured 8.0 \\(model.lora.alpha\\)"),
+        (
+            {"lora": {"rank": 4, "alpha": 4.0, "target_modules": ["to_k", "to_q"]}},
+            "saved LoRA alpha 4.0, configured 8.0 \\(model.lora.alpha\\)",
+        ),
     ],
 )
 def test_the_saved_config_names_what_differs_before_any_tensor_is_read(tmp_path, saved, message):
@@ -135,7 +146,10 @@ def test_a_full_disk_names_the_disk_and_the_checkpoint_and_keeps_the_older_ones(
         checkpoint.save_checkpoint(tmp_path, 4, fake_lora(), LORA, state, DiskFillsUp())
     message = str(failure.value)
     assert f"could not save checkpoint {tmp_path / 'step_000004'}" in message
-    assert f"no space left on the disk holding {tmp_path} (the filesystem mounted at " in message and "MiB free now" in message
+    assert (
+        f"no space left on the disk holding {tmp_path} (the filesystem mounted at " in message
+        and "MiB free now" in message
+    )
     assert "saved before it are intact (step_000002)" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000002"]  # no partial step_000004
     assert (tmp_path / "latest").read_text() == "step_000002"
@@ -154,7 +168,9 @@ def test_an_initial_lora_is_read_from_diffusers_or_peft_files_and_checked(tmp_pa
     for path in (diffusers_dir, peft_dir / checkpoint.PEFT_LORA_FILE):
         checkpoint.check_lora_file(path, LORA)
         assert checkpoint.load_lora_file(path).keys() == fake_lora().keys()
-    with pytest.raises(checkpoint.CheckpointMismatch, match=f"{peft_dir}/adapter_model.safetensors: saved LoRA rank 4, configured 8"):
+    with pytest.raises(
+        checkpoint.CheckpointMismatch, match=f"{peft_dir}/adapter_model.safetensors: saved LoRA rank 4, configured 8"
+    ):
         checkpoint.check_lora_file(peft_dir, LoraConfig(rank=8, target_modules=["to_q", "to_k"]))
     with pytest.raises(FileNotFoundError, match=f"{tmp_path}: holds neither pytorch_lora_weights.safetensors"):
         checkpoint.check_lora_file(tmp_path, LORA)

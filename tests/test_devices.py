@@ -6,7 +6,11 @@ from omni.devices import disable_cudnn_attention
 
 
 def test_disable_cudnn_attention_turns_off_only_cudnn():
-    before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled())
+    before = (
+        torch.backends.cuda.cudnn_sdp_enabled(),
+        torch.backends.cuda.flash_sdp_enabled(),
+        torch.backends.cuda.mem_efficient_sdp_enabled(),
+    )
     try:
         torch.backends.cuda.enable_cudnn_sdp(True)
         disable_cudnn_attention()

@@ -13,5 +13,9 @@ def test_nccl_group_gets_its_device_and_a_timeout(monkeypatch):
     distributed.init_process_group(1, 2, torch.device("cuda", 1))
     distributed.init_process_group(0, 2, torch.device("cpu"))
     (nccl_args, nccl), (gloo_args, gloo) = calls
-    assert nccl_args == ("nccl",) and nccl["device_id"] == torch.device("cuda", 1) and nccl["timeout"] == distributed.COLLECTIVE_TIMEOUT
+    assert (
+        nccl_args == ("nccl",)
+        and nccl["device_id"] == torch.device("cuda", 1)
+        and nccl["timeout"] == distributed.COLLECTIVE_TIMEOUT
+    )
     assert gloo_args == ("gloo",) and "device_id" not in gloo and gloo["timeout"] == distributed.COLLECTIVE_TIMEOUT

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from omni import checkpoint
-from omni.validation import validate
 from omni.ema import LoraEMA
 from omni.trainer import Trainer
+from omni.validation import validate
 from tests.conftest import compose_config
 
 

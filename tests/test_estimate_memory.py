@@ -32,6 +32,7 @@ def test_counts_match_the_loaded_model(tiny_sd3_dir, capsys):
 
 def test_sharing_the_actor_and_offloading_the_encoders_lower_the_peak():
     from omni import memory
+
     sizes = dict(params=2_000_000_000, block_params=80_000_000, lora_params=10_000_000, hidden=1536, blocks=24, patch=2,
                  text_encoder_params=5_000_000_000, vae_params=80_000_000)  # fmt: skip
     settings = dict(tokens=1357, micro_batch=4, workers=8, fsdp=2, dtype="bfloat16", passes=2, checkpointing=True)
@@ -86,7 +87,15 @@ def test_published_wan_14b_counts_its_frames(capsys):
     frames of 240x416 are 9 latent frames of 15 x 26 patches; CFG doubles the passes. The
     frames come from rollout.num_frames, so 81 frames are 21 latent frames."""
     script = load_script()
-    args = ["model=wan", "--arch", "wan2.1-t2v-14b", "trainer.n_workers=8", "--resolution", "240x416", "--gradient-checkpointing"]
+    args = [
+        "model=wan",
+        "--arch",
+        "wan2.1-t2v-14b",
+        "trainer.n_workers=8",
+        "--resolution",
+        "240x416",
+        "--gradient-checkpointing",
+    ]
     script.main([*args, "rollout.num_frames=33", "--gpu-memory", "80"])
     (row,) = json.loads(capsys.readouterr().out)
     assert 14.0e9 < row["params"] < 14.5e9 and row["num_frames"] == 33 and row["tokens"] == 9 * 15 * 26
@@ -98,8 +107,18 @@ def test_published_wan_14b_counts_its_frames(capsys):
 
 
 def test_a_clip_that_does_not_fit_is_refused_naming_its_frames_and_size(capsys):
-    args = ["model=wan", "--arch", "wan2.1-t2v-14b", "trainer.n_workers=8", "rollout.num_frames=81", "--resolution", "480x832"]
-    with pytest.raises(SystemExit, match=r"rollout.num_frames=81 at resolution 480x832 needs about .* more than --gpu-memory 80"):
+    args = [
+        "model=wan",
+        "--arch",
+        "wan2.1-t2v-14b",
+        "trainer.n_workers=8",
+        "rollout.num_frames=81",
+        "--resolution",
+        "480x832",
+    ]
+    with pytest.raises(
+        SystemExit, match=r"rollout.num_frames=81 at resolution 480x832 needs about .* more than --gpu-memory 80"
+    ):
         load_script().main([*args, "--gpu-memory", "80"])
     with pytest.raises(SystemExit, match="samples square images"):
         load_script().main(["model=sd3", "--resolution", "240x416"])
@@ -159,8 +178,8 @@ def test_unset_sharding_replicates_a_lora_base_only_where_it_fits(wan_14b_dir, t
     replicated estimate fits the budget, else shard it with FSDP2; one worker shards nothing;
     full fine-tuning shards; a version given is kept."""
     from omni.memory import estimate_memory
-    from omni.validation import validate
     from omni.models import get_family
+    from omni.validation import validate
     from tests.conftest import compose_config
 
     run = ["model=wan", f"model.path={wan_14b_dir}", "reward=frame_brightness", "trainer=gpu", "trainer.n_workers=8",
@@ -170,8 +189,13 @@ def test_unset_sharding_replicates_a_lora_base_only_where_it_fits(wan_14b_dir, t
     sharded = estimate_memory(replicated, get_family("wan"), fsdp=2)["gib_per_gpu"]["total"]
     assert sharded < need
     assert validate(compose_config([*run, f"trainer.device_memory_gib={need}"])).model.fsdp.version == 0
-    assert validate(compose_config([*run, f"trainer.device_memory_gib={round(need - 0.01, 2)}"])).model.fsdp.version == 2
-    assert validate(compose_config([*run, "model.fsdp.version=1", "trainer.device_memory_gib=1000"])).model.fsdp.version == 1
+    assert (
+        validate(compose_config([*run, f"trainer.device_memory_gib={round(need - 0.01, 2)}"])).model.fsdp.version == 2
+    )
+    assert (
+        validate(compose_config([*run, "model.fsdp.version=1", "trainer.device_memory_gib=1000"])).model.fsdp.version
+        == 1
+    )
     tiny = [f"model.cache_dir={tiny_cache}", "trainer.n_workers=2"]
     assert validate(compose_config(tiny)).model.fsdp.version == 0  # the CPU: no budget to check
     assert validate(compose_config([*tiny, "model.lora=null"])).model.fsdp.version == 2

@@ -458,7 +458,9 @@ def _wan_worker_cell(wan_dir: str, run_dir: str):
         lora = worker.lora_state_dict()
     finally:
         worker.engine.shutdown()  # not worker.shutdown(): the group is this module's
-    problems = [] if all(hasattr(p, "to_local") for p in worker.trainable) else ["the actor's LoRA is not FSDP2-sharded"]
+    problems = (
+        [] if all(hasattr(p, "to_local") for p in worker.trainable) else ["the actor's LoRA is not FSDP2-sharded"]
+    )
     if (stale - stale_engine).abs().max() < 1e-3:
         problems.append("the step did not move the actor's log-probs")
     if len(actor) == 0 or (actor - engine).abs().max() > 1e-5:
@@ -821,7 +823,11 @@ def _run_group(world: int, out_dir, wan_dir) -> list[dict]:
     multiprocessing.get_context("forkserver").set_forkserver_preload(_WORKER_PRELOAD)
     try:
         torch.multiprocessing.start_processes(
-            _worker, args=(world, free_port(), str(out_dir), str(wan_dir)), nprocs=world, start_method="forkserver", join=True
+            _worker,
+            args=(world, free_port(), str(out_dir), str(wan_dir)),
+            nprocs=world,
+            start_method="forkserver",
+            join=True,
         )
     finally:
         if saved is None:

@@ -7,8 +7,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from omni.validation import validate
 from omni.loggers import MetricsLogger, image_grid
+from omni.validation import validate
 from tests.conftest import compose_config
 
 
@@ -22,14 +22,19 @@ def tensorboard_images(directory):
 
 def test_each_backend_writes_the_images_it_was_given(tmp_path, tiny_cache):
     images = torch.rand(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
-    cfg = validate(compose_config(["logger=all", "logger.wandb_mode=offline", f"model.cache_dir={tiny_cache}"], tmp_path))
+    cfg = validate(
+        compose_config(["logger=all", "logger.wandb_mode=offline", f"model.cache_dir={tiny_cache}"], tmp_path)
+    )
     logger = MetricsLogger(cfg, tmp_path)
     logger.log_images(images, step=1)
     logger.close()
     expected = image_grid(images).permute(1, 2, 0).numpy() * 255
 
     wandb_png = next((tmp_path / "wandb").rglob("*.png"))
-    written = {"wandb": np.asarray(Image.open(wandb_png).convert("RGB")), "tensorboard": tensorboard_images(tmp_path / "tensorboard")[0]}
+    written = {
+        "wandb": np.asarray(Image.open(wandb_png).convert("RGB")),
+        "tensorboard": tensorboard_images(tmp_path / "tensorboard")[0],
+    }
     for backend, pixels in written.items():
         assert pixels.shape == expected.shape, backend
         assert np.abs(pixels.astype(np.float64) - expected).max() <= 0.5 + 1e-6, backend
@@ -54,7 +59,11 @@ def test_clips_are_written_as_videos_each_backend_can_decode(tmp_path, tiny_cach
     ramp = torch.linspace(0, 1, 16).view(1, 1, 1, 16).expand(5, 3, 16, 16)
     fade = torch.linspace(0.1, 0.9, 5).view(5, 1, 1, 1)
     clips = torch.stack([0.5 * ramp + 0.5 * fade, 0.5 * ramp.flip(-1) + 0.5 * fade.flip(0)])
-    cfg = validate(compose_config(["logger=all", "logger.wandb_mode=offline", f"model.cache_dir={tiny_cache}", "rollout.fps=8"], tmp_path))
+    cfg = validate(
+        compose_config(
+            ["logger=all", "logger.wandb_mode=offline", f"model.cache_dir={tiny_cache}", "rollout.fps=8"], tmp_path
+        )
+    )
     logger = MetricsLogger(cfg, tmp_path)
     logger.log_images(clips, step=3)
     logger.close()
@@ -97,7 +106,11 @@ def test_video_logging_warns_of_nothing(tmp_path, tiny_cache, capfd, monkeypatch
 
     monkeypatch.setenv("WANDB_SILENT", "false")  # wandb's warnings printed, as a user sees them
     wandb.teardown()  # so that wandb reads its settings again (an earlier run in this process read them)
-    cfg = validate(compose_config(["logger=wandb", "logger.wandb_mode=offline", f"model.cache_dir={tiny_cache}", "rollout.fps=8"], tmp_path))
+    cfg = validate(
+        compose_config(
+            ["logger=wandb", "logger.wandb_mode=offline", f"model.cache_dir={tiny_cache}", "rollout.fps=8"], tmp_path
+        )
+    )
     logger = MetricsLogger(cfg, tmp_path)
     logger.log_images(torch.rand(2, 3, 3, 8, 8), step=1)
     logger.close()
@@ -110,7 +123,9 @@ def test_run_name_group_and_tags_reach_the_backends(tmp_path, tiny_cache):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     named = ["logger.run_name=lr-3e-4", "logger.group=sweep-a", "logger.tags=[tiny,cosine]"]
-    cfg = validate(compose_config(["logger=all", "logger.wandb_mode=offline", f"model.cache_dir={tiny_cache}", *named], tmp_path))
+    cfg = validate(
+        compose_config(["logger=all", "logger.wandb_mode=offline", f"model.cache_dir={tiny_cache}", *named], tmp_path)
+    )
     logger = MetricsLogger(cfg, tmp_path)
     run = logger.wandb
     assert (run.name, run.group, tuple(run.tags)) == ("lr-3e-4", "sweep-a", ("tiny", "cosine"))
@@ -130,5 +145,7 @@ def test_a_logger_backend_not_installed_is_named_with_its_extra(tmp_path, tiny_c
 
     if importlib.util.find_spec("mlflow") is not None:
         pytest.skip("mlflow is installed here")
-    with pytest.raises(ConfigError, match=r"logger.backends has mlflow, which is not installed: pip install 'omni-recipes\[mlflow\]'"):
+    with pytest.raises(
+        ConfigError, match=r"logger.backends has mlflow, which is not installed: pip install 'omni-recipes\[mlflow\]'"
+    ):
         validate(compose_config(["logger=mlflow", f"model.cache_dir={tiny_cache}"], tmp_path))

@@ -38,7 +38,9 @@ def installed(tmp_path_factory):
     if sys.prefix != sys.base_prefix:  # this interpreter is itself a venv: its packages too, by path only
         # (the lines of a .pth are plain directories: the .pth files there, an editable
         # install of the checkout among them, are not run)
-        inner = run([bin_dir / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+        inner = run(
+            [bin_dir / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
+        ).stdout.strip()
         (Path(inner) / "outer-venv.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     run([bin_dir / "python", "-m", "pip", "install", "--no-deps", "--force-reinstall", "-q", wheel])
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -47,20 +49,33 @@ def installed(tmp_path_factory):
 
 def test_installed_package_is_the_wheel_not_the_checkout(installed):
     bin_dir, env, root = installed
-    where = run([bin_dir / "python", "-c", "import omni.conf, omni.cli; print(omni.conf.__file__)"], cwd=root, env=env).stdout
+    where = run(
+        [bin_dir / "python", "-c", "import omni.conf, omni.cli; print(omni.conf.__file__)"], cwd=root, env=env
+    ).stdout
     assert str(root / "venv") in where and str(REPO) not in where, where
 
 
 def test_console_script_composes_the_shipped_config(installed):
     bin_dir, env, root = installed
-    out = run([bin_dir / "omni-train", "--cfg", "job", "algorithm=flow_grpo_fast", "logger=tensorboard"], cwd=root, env=env).stdout
+    out = run(
+        [bin_dir / "omni-train", "--cfg", "job", "algorithm=flow_grpo_fast", "logger=tensorboard"], cwd=root, env=env
+    ).stdout
     assert "family: sd3" in out and "sde_window_size: 2" in out and "- tensorboard" in out, out
 
 
 def test_console_script_trains_a_step(installed, tiny_cache):
     bin_dir, env, root = installed
     run_dir = root / "run"
-    run([bin_dir / "omni-train", "trainer.steps=1", "trainer.progress_bar=false", f"model.cache_dir={tiny_cache}",
-         f"hydra.run.dir={run_dir}"], cwd=root, env=env)
+    run(
+        [
+            bin_dir / "omni-train",
+            "trainer.steps=1",
+            "trainer.progress_bar=false",
+            f"model.cache_dir={tiny_cache}",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=root,
+        env=env,
+    )
     assert "eval reward (held-out prompts and seeds): before" in (run_dir / "train.log").read_text()
     assert (run_dir / "checkpoints" / "step_000001" / "pytorch_lora_weights.safetensors").is_file()

@@ -29,5 +29,9 @@ def paragraphs(text: str):
 
 
 def test_each_timing_names_its_machine_and_load():
-    unplaced = [p[:160] for p in paragraphs(README.read_text()) if TIMING.search(p) and not (MACHINE.search(p) and LOAD.search(p))]
+    unplaced = [
+        p[:160]
+        for p in paragraphs(README.read_text())
+        if TIMING.search(p) and not (MACHINE.search(p) and LOAD.search(p))
+    ]
     assert not unplaced, "timings without their machine and load:\n" + "\n".join(unplaced)

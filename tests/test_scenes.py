@@ -20,10 +20,18 @@ def test_prompts_follow_genevals_templates_and_metadata():
     assert counting["exclude"] == [{"class": counting["include"][0]["class"], "count": n + 1}]
     assert counting["prompt"].startswith(f"a photo of {scenes.COUNT_WORDS[n]} ")
     target, subject = items["position"]["include"]
-    assert items["position"]["prompt"] == f"a photo of a {subject['class']} {subject['position'][0]} a {target['class']}"
+    assert (
+        items["position"]["prompt"] == f"a photo of a {subject['class']} {subject['position'][0]} a {target['class']}"
+    )
     first, second = items["color_attr"]["include"]
-    assert items["color_attr"]["prompt"] == f"a photo of a {first['color']} {first['class']} and a {second['color']} {second['class']}"
-    assert scenes.prompt_text({"tag": "counting", "include": [{"class": "cross", "count": 3}]}) == "a photo of three crosses"
+    assert (
+        items["color_attr"]["prompt"]
+        == f"a photo of a {first['color']} {first['class']} and a {second['color']} {second['class']}"
+    )
+    assert (
+        scenes.prompt_text({"tag": "counting", "include": [{"class": "cross", "count": 3}]})
+        == "a photo of three crosses"
+    )
     assert all(scenes.metadata_problem(item) is None for item in items.values())
 
 
@@ -51,10 +59,14 @@ def test_layouts_satisfy_their_metadata(size):
                 assert a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1]
         for entry in item["include"]:
             mine = [box for (shape, color, _), box in zip(scene, boxes) if shape == entry["class"]]
-            assert all(color == entry["color"] for shape, color, _ in scene if shape == entry["class"] and "color" in entry)
+            assert all(
+                color == entry["color"] for shape, color, _ in scene if shape == entry["class"] and "color" in entry
+            )
             if "position" in entry:
                 relation, target = entry["position"]
-                (theirs,) = [box for (shape, _, _), box in zip(scene, boxes) if shape == item["include"][target]["class"]]
+                (theirs,) = [
+                    box for (shape, _, _), box in zip(scene, boxes) if shape == item["include"][target]["class"]
+                ]
                 assert relation in scenes.relative_position(mine[0], theirs), (item, mine, theirs)
 
 
@@ -97,14 +109,19 @@ def test_genevals_own_metadata_is_read_and_its_vocabulary_refused():
         problem = scenes.metadata_problem(item)
         assert problem and "is not a scene shape" in problem, (item, problem)
         shapes = iter(scenes.SHAPES)
-        renamed = {name: next(shapes) for name in dict.fromkeys(e["class"] for e in item["include"] + item.get("exclude", []))}
+        renamed = {
+            name: next(shapes) for name in dict.fromkeys(e["class"] for e in item["include"] + item.get("exclude", []))
+        }
         for entry in item["include"] + item.get("exclude", []):
             entry["class"] = renamed[entry["class"]]
         assert scenes.metadata_problem(item) is None, item
         scenes.render(item, 64, 0)
 
 
-GOOD = {"tag": "position", "include": [{"class": "circle", "count": 1}, {"class": "square", "count": 1, "position": ["left of", 0]}]}
+GOOD = {
+    "tag": "position",
+    "include": [{"class": "circle", "count": 1}, {"class": "square", "count": 1, "position": ["left of", 0]}],
+}
 
 
 @pytest.mark.parametrize(
@@ -118,10 +135,22 @@ GOOD = {"tag": "position", "include": [{"class": "circle", "count": 1}, {"class"
         ({"include": [{"class": "circle", "count": 5}]}, "count 5 is not a whole number from 1 to 4"),
         ({"include": [{"class": "circle", "count": "2"}]}, "count '2'"),
         ({"include": [{"class": "circle", "count": 1, "color": "teal"}]}, "color 'teal' is not a scene colour"),
-        ({"include": [{"class": "circle", "count": 1}, {"class": "square", "count": 1, "position": ["near", 0]}]}, "relation 'near'"),
-        ({"include": [{"class": "circle", "count": 1}, {"class": "square", "count": 1, "position": ["above", 1]}]}, "not an earlier entry"),
-        ({"include": [{"class": "circle", "count": 1}, {"class": "square", "count": 1, "position": "above"}]}, "not \\[relation, index"),
-        ({"include": [{"class": "circle", "count": 2}, {"class": "square", "count": 1, "position": ["above", 0]}]}, "single objects"),
+        (
+            {"include": [{"class": "circle", "count": 1}, {"class": "square", "count": 1, "position": ["near", 0]}]},
+            "relation 'near'",
+        ),
+        (
+            {"include": [{"class": "circle", "count": 1}, {"class": "square", "count": 1, "position": ["above", 1]}]},
+            "not an earlier entry",
+        ),
+        (
+            {"include": [{"class": "circle", "count": 1}, {"class": "square", "count": 1, "position": "above"}]},
+            "not \\[relation, index",
+        ),
+        (
+            {"include": [{"class": "circle", "count": 2}, {"class": "square", "count": 1, "position": ["above", 0]}]},
+            "single objects",
+        ),
         ({"include": [{"class": "circle", "count": 3}, {"class": "square", "count": 2}]}, "at most 4 objects"),
         ({"include": [{"class": "circle", "count": 1}, {"class": "circle", "count": 1}]}, "each class once"),
         ({"exclude": [{"class": "circle", "count": 1}]}, "an exclude that the include allows"),

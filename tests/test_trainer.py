@@ -8,14 +8,19 @@ import torch
 
 from omni import checkpoint
 from omni.algorithms import flow_grpo
-from omni.validation import ConfigError, validate
 from omni.models.sd3 import FAMILY
 from omni.rewards import NonFiniteReward
 from omni.rewards.brightness import Brightness
 from omni.trainer import TrainingStopped, run
+from omni.validation import ConfigError, validate
 from tests.conftest import compose_config
 
-SMALL = ["trainer.batch_size=8", "algorithm.group_size=4", "trainer.eval_images_per_prompt=1", "trainer.progress_bar=false"]
+SMALL = [
+    "trainer.batch_size=8",
+    "algorithm.group_size=4",
+    "trainer.eval_images_per_prompt=1",
+    "trainer.progress_bar=false",
+]
 
 
 def config(tiny_cache, tmp_path, *overrides):
@@ -54,7 +59,9 @@ def test_nan_reward_dropped_leaves_those_images_out(tiny_cache, tmp_path, monkey
 
 def test_non_finite_gradients_skip_the_step_then_stop_the_run(tiny_cache, tmp_path, monkeypatch):
     real_loss = flow_grpo.clipped_policy_loss
-    monkeypatch.setattr(flow_grpo, "clipped_policy_loss", lambda *a: (real_loss(*a)[0] * float("nan"), *real_loss(*a)[1:]))
+    monkeypatch.setattr(
+        flow_grpo, "clipped_policy_loss", lambda *a: (real_loss(*a)[0] * float("nan"), *real_loss(*a)[1:])
+    )
     cfg = config(tiny_cache, tmp_path, "trainer.steps=5", "trainer.max_bad_steps=2")
     with pytest.raises(TrainingStopped, match="2 steps in a row \\(up to step 2\\) had a non-finite"):
         run(cfg)
@@ -64,7 +71,9 @@ def test_skipped_optimizer_step_keeps_weights_and_optimizer_state(tiny_cache, tm
     from omni.trainer import model_path
     from omni.workers.actor_rollout import ActorRolloutWorker
 
-    worker = ActorRolloutWorker(validate(config(tiny_cache, tmp_path)), model_path(validate(config(tiny_cache, tmp_path)).model))
+    worker = ActorRolloutWorker(
+        validate(config(tiny_cache, tmp_path)), model_path(validate(config(tiny_cache, tmp_path)).model)
+    )
     worker.setup()
     before = [p.detach().clone() for p in worker.trainable]
     for p in worker.trainable:

@@ -82,7 +82,9 @@ def grouped_rollout(ctx: StepContext, step: int, group_size: int, sde_steps: Tup
     cfg = ctx.cfg
     prompts = items_for_step(ctx.train_prompts, step, cfg.trainer.batch_size // group_size, cfg.seed)
     prompts = [p for p in prompts for _ in range(group_size)]
-    batch, scores, timings = ctx.sample_and_score(prompts, step_seeds(cfg.seed, step, len(prompts)), ctx.sampling_options(sde_steps))
+    batch, scores, timings = ctx.sample_and_score(
+        prompts, step_seeds(cfg.seed, step, len(prompts)), ctx.sampling_options(sde_steps)
+    )
     valid = ctx.reward.finite(scores, f"training step {step + 1}")
     ctx.log_images(batch.images, step)
     return ScoredRollout(prompts, batch, scores, valid, timings)

@@ -31,10 +31,10 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from omni import seeding
 from omni.algorithms.base import Algorithm, grouped_rollout
 from omni.algorithms.dpo import noisy_latents, sample_sigmas
 from omni.algorithms.flow_grpo import check_groups, clip_advantages, masked_group_advantages
-from omni import seeding
 from omni.config.algorithm import AdvantageNorm, AlgorithmConfig, SigmaSampling
 from omni.config.errors import require
 from omni.config.rollout import SDEType
@@ -47,12 +47,16 @@ def optimality(advantages: torch.Tensor, adv_clip_max: float) -> torch.Tensor:
     return (advantages / adv_clip_max / 2 + 0.5).clamp(0, 1)
 
 
-def implicit_policies(velocity: torch.Tensor, old_velocity: torch.Tensor, beta: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def implicit_policies(
+    velocity: torch.Tensor, old_velocity: torch.Tensor, beta: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(v+, v-) = ((1 - beta) v_old + beta v, (1 + beta) v_old - beta v)."""
     return (1 - beta) * old_velocity + beta * velocity, (1 + beta) * old_velocity - beta * velocity
 
 
-def normalised_x0_error(velocity: torch.Tensor, noisy: torch.Tensor, sigmas: torch.Tensor, clean: torch.Tensor) -> torch.Tensor:
+def normalised_x0_error(
+    velocity: torch.Tensor, noisy: torch.Tensor, sigmas: torch.Tensor, clean: torch.Tensor
+) -> torch.Tensor:
     """Per sample: mean of (x0_hat - x0)^2 / mean|x0_hat - x0| with x0_hat = x_t - t v; the
     divisor is a constant (no gradient), at least 1e-5."""
     t = sigmas.reshape(-1, *([1] * (noisy.ndim - 1)))
@@ -143,7 +147,9 @@ def noised(worker, batch: NFTBatch, seed: int, first: int, total: int) -> Noised
             worker.velocity(noisy[rows], sigmas[rows], cond.apply(lambda t: t[rows]), batch.guidance_scale)
             for rows in torch.arange(n * k).split(worker.cfg.trainer.micro_batch_size)
         ]
-    return NoisedBatch(clean, noisy, sigmas, cond, worker.to_device(batch.optimality).repeat_interleave(k), torch.cat(old))
+    return NoisedBatch(
+        clean, noisy, sigmas, cond, worker.to_device(batch.optimality).repeat_interleave(k), torch.cat(old)
+    )
 
 
 def minibatch_step(worker, data: NoisedBatch, minibatch: torch.Tensor, guidance_scale: float) -> Dict[str, float]:
@@ -153,7 +159,9 @@ def minibatch_step(worker, data: NoisedBatch, minibatch: torch.Tensor, guidance_
     worker.zero_grad()
     chunks = minibatch.split(worker.cfg.trainer.micro_batch_size)
     for i, rows in enumerate(chunks):
-        velocity = worker.velocity(data.noisy[rows], data.sigmas[rows], data.cond.apply(lambda t: t[rows]), guidance_scale)
+        velocity = worker.velocity(
+            data.noisy[rows], data.sigmas[rows], data.cond.apply(lambda t: t[rows]), guidance_scale
+        )
         loss, pos, neg = nft_loss(
             velocity, data.old_velocity[rows], data.noisy[rows], data.sigmas[rows], data.clean[rows],
             data.optimality[rows], algo.beta, algo.adv_clip_max,
@@ -194,7 +202,9 @@ class DiffusionNFT(Algorithm):
         check_groups(algo.group_size, cfg.trainer.batch_size)
         require(algo.beta > 0, f"algorithm.beta={algo.beta} must be positive")
         require(algo.adv_clip_max > 0, f"algorithm.adv_clip_max={algo.adv_clip_max} must be positive")
-        require(algo.timesteps_per_sample >= 1, f"algorithm.timesteps_per_sample={algo.timesteps_per_sample} must be >= 1")
+        require(
+            algo.timesteps_per_sample >= 1, f"algorithm.timesteps_per_sample={algo.timesteps_per_sample} must be >= 1"
+        )
         require(algo.num_inner_epochs >= 1, f"algorithm.num_inner_epochs={algo.num_inner_epochs} must be >= 1")
         require(algo.num_minibatches >= 1, f"algorithm.num_minibatches={algo.num_minibatches} must be >= 1")
         require(

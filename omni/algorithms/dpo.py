@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from omni.algorithms.base import Algorithm
 from omni import seeding
+from omni.algorithms.base import Algorithm
 from omni.algorithms.dpo_pairs import EVAL_CHUNK, PairBatch, PairData, split_digest
 from omni.config.algorithm import AlgorithmConfig, SigmaSampling
 from omni.config.errors import require
@@ -216,7 +216,9 @@ def update(worker, pairs: PairBatch, seed: int, first: int = 0, total: int = 0) 
     sums: Dict[str, torch.Tensor] = {}  # summed on the device: no sync per micro-batch
     chunks = torch.arange(n).split(max(1, worker.cfg.trainer.micro_batch_size // 2))
     for i, rows in enumerate(chunks):
-        out = pair_outputs(worker, pairs.select(rows), sigmas[rows], noise[rows], torch.cat([ref_err[rows], ref_err[n + rows]]))
+        out = pair_outputs(
+            worker, pairs.select(rows), sigmas[rows], noise[rows], torch.cat([ref_err[rows], ref_err[n + rows]])
+        )
         worker.backward(out["loss"] * len(rows) / n, sync=i == len(chunks) - 1)
         for key, value in out.items():
             sums[key] = sums.get(key, 0.0) + value.detach().double() * len(rows) / n
@@ -256,14 +258,24 @@ class OfflineDPO(Algorithm):
             "(python scripts/make_preference_pairs.py DIR writes a small synthetic set)",
         )
         pairs = data.pairs
-        require(glob.has_magic(pairs) or Path(pairs).expanduser().exists(), f"data.pairs={pairs}: no such file or directory")
+        require(
+            glob.has_magic(pairs) or Path(pairs).expanduser().exists(), f"data.pairs={pairs}: no such file or directory"
+        )
         cache = data.latent_cache
-        require(not cache or cache == "auto" or not Path(cache).expanduser().is_file(), f"data.latent_cache={cache}: a file, expected a directory")
+        require(
+            not cache or cache == "auto" or not Path(cache).expanduser().is_file(),
+            f"data.latent_cache={cache}: a file, expected a directory",
+        )
         fraction = data.pairs_eval_fraction
         require(0 <= fraction < 1, f"data.pairs_eval_fraction={fraction}: expected a share in [0, 1)")
         cap = data.pairs_eval_max
-        require(cap is None or cap > 0, f"data.pairs_eval_max={cap}: expected a positive number of held-out pairs (null: all)")
-        require(data.num_workers >= 0, f"data.num_workers={data.num_workers}: expected 0 (decode in the driver) or more")
+        require(
+            cap is None or cap > 0,
+            f"data.pairs_eval_max={cap}: expected a positive number of held-out pairs (null: all)",
+        )
+        require(
+            data.num_workers >= 0, f"data.num_workers={data.num_workers}: expected 0 (decode in the driver) or more"
+        )
 
     def __init__(self, ctx):
         """Reads and checks the pairs, or the latent cache's manifest (before any model loads)."""
@@ -273,7 +285,9 @@ class OfflineDPO(Algorithm):
         if steps and self.data.cache_dir is None:
             logger.warning(
                 "model.vae_inversion_steps=%d with data.latent_cache=null: each pair's images are encoded by %d decoder passes "
-                "every time the pair is used; data.latent_cache=auto (the default) encodes them once", steps, steps,
+                "every time the pair is used; data.latent_cache=auto (the default) encodes them once",
+                steps,
+                steps,
             )
         self.consumed = 0  # the data position: training pairs taken so far
         self.batches = None  # the provider's iterator, opened at the first step
@@ -299,7 +313,11 @@ class OfflineDPO(Algorithm):
             raise ValueError(f"no pair of training step {step + 1} could be decoded (data.pairs={cfg.data.pairs})")
         data_s, tick = time.perf_counter() - tick, time.perf_counter()
         metrics = worker.apply_update(update, pairs, update_seed(cfg.seed, step))
-        timings = {"time/data": data_s, "time/update": time.perf_counter() - tick, "time/sync": worker.sync_weights()["sync/seconds"]}
+        timings = {
+            "time/data": data_s,
+            "time/update": time.perf_counter() - tick,
+            "time/sync": worker.sync_weights()["sync/seconds"],
+        }
         return {**{f"train/{k}": v for k, v in metrics.items()}, **timings, **self.data_stats}
 
     def evaluate(self) -> Dict[str, float]:
@@ -308,7 +326,11 @@ class OfflineDPO(Algorithm):
         parts = []
         n_chunks = -(-len(self.data.held_out) // EVAL_CHUNK)
         batches = tqdm(
-            self.provider.eval_batches(), desc="eval pairs", total=n_chunks, unit="chunk", leave=False,
+            self.provider.eval_batches(),
+            desc="eval pairs",
+            total=n_chunks,
+            unit="chunk",
+            leave=False,
             disable=not self.cfg.trainer.progress_bar or n_chunks < 2,
         )
         for chunk, pairs in enumerate(batches):
@@ -321,7 +343,11 @@ class OfflineDPO(Algorithm):
         return {f"eval/{k}": v for k, v in metrics.items() if k in ("loss", "implicit_accuracy", "reward_margin")}
 
     def state_dict(self) -> Dict[str, object]:
-        return {"pairs_consumed": self.consumed, "train_pairs": len(self.data.train), "split": split_digest(self.data.train)}
+        return {
+            "pairs_consumed": self.consumed,
+            "train_pairs": len(self.data.train),
+            "split": split_digest(self.data.train),
+        }
 
     def load_state_dict(self, state: Dict[str, object], step: int) -> None:
         """Continue after the pairs the checkpoint had consumed, on the same split of the same data."""

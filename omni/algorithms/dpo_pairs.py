@@ -48,12 +48,18 @@ class PairBatch:
         return len(self.x0_chosen)
 
     def select(self, rows) -> "PairBatch":
-        return PairBatch(self.x0_chosen[rows].clone(), self.x0_rejected[rows].clone(), self.cond.apply(lambda t: t[rows].clone()))
+        return PairBatch(
+            self.x0_chosen[rows].clone(), self.x0_rejected[rows].clone(), self.cond.apply(lambda t: t[rows].clone())
+        )
 
     @staticmethod
     def cat(parts: List["PairBatch"]) -> "PairBatch":
         conds = [p.cond for p in parts]
-        return PairBatch(torch.cat([p.x0_chosen for p in parts]), torch.cat([p.x0_rejected for p in parts]), type(conds[0]).cat(conds))
+        return PairBatch(
+            torch.cat([p.x0_chosen for p in parts]),
+            torch.cat([p.x0_rejected for p in parts]),
+            type(conds[0]).cat(conds),
+        )
 
 
 def model_dir(model) -> Path:
@@ -77,8 +83,12 @@ class PairData:
         self.conditioning = family.conditioning
         wanted = data.latent_cache and (data.latent_cache != latent_cache.AUTO or cfg.model.vae_inversion_steps)
         self.cache_key = latent_cache.cache_key(cfg, self.source, family, model_dir(cfg.model)) if wanted else None
-        self.cache_dir = None if self.cache_key is None else latent_cache.cache_directory(
-            data.latent_cache, self.cache_key, cfg.model.cache_dir, cfg.model.vae_inversion_steps
+        self.cache_dir = (
+            None
+            if self.cache_key is None
+            else latent_cache.cache_directory(
+                data.latent_cache, self.cache_key, cfg.model.cache_dir, cfg.model.vae_inversion_steps
+            )
         )
         if self.cache_dir is not None and latent_cache.is_complete(self.cache_dir):
             self.cache = latent_cache.open_cache(self.cache_dir, self.cache_key, self.conditioning, data.skip_bad_rows)
@@ -90,7 +100,10 @@ class PairData:
         self.held_out = held_out[: data.pairs_eval_max]  # the rest of the share is neither trained on nor scored
         if len(self.held_out) < len(held_out):
             logger.info(
-                "evaluating on %d of the %d held-out pairs (data.pairs_eval_max=%d)", len(self.held_out), len(held_out), data.pairs_eval_max
+                "evaluating on %d of the %d held-out pairs (data.pairs_eval_max=%d)",
+                len(self.held_out),
+                len(held_out),
+                data.pairs_eval_max,
             )
 
     def ensure_cache(self, encoder, resolution: int, max_sequence_length: int, progress: bool) -> None:
@@ -101,14 +114,30 @@ class PairData:
             return
         with latent_cache.build_lock(self.cache_dir):
             if not latent_cache.is_complete(self.cache_dir):  # another run may have built it meanwhile
-                logger.info("encoding the %d pairs once into the latent cache %s (data.latent_cache)", len(self.rows), self.cache_dir)
+                logger.info(
+                    "encoding the %d pairs once into the latent cache %s (data.latent_cache)",
+                    len(self.rows),
+                    self.cache_dir,
+                )
                 latent_cache.build_cache(
-                    self.cache_dir, self.cache_key, self.source, self.rows, self.stats, encoder, resolution,
-                    max_sequence_length, data.skip_bad_rows, self.first_bad, data.num_workers, progress,
+                    self.cache_dir,
+                    self.cache_key,
+                    self.source,
+                    self.rows,
+                    self.stats,
+                    encoder,
+                    resolution,
+                    max_sequence_length,
+                    data.skip_bad_rows,
+                    self.first_bad,
+                    data.num_workers,
+                    progress,
                 )
             cache = latent_cache.open_cache(self.cache_dir, self.cache_key, self.conditioning, data.skip_bad_rows)
         if len(cache.rows) != len(self.rows) or not np.array_equal(cache.rows, self.rows):
-            raise ValueError(f"data.latent_cache={self.cache_dir} holds other rows than this run's scan of data.pairs; remove it to rebuild")
+            raise ValueError(
+                f"data.latent_cache={self.cache_dir} holds other rows than this run's scan of data.pairs; remove it to rebuild"
+            )
         self.cache, self.stats = cache, dict(cache.stats)
 
     def provider(self, worker, options, progress: bool) -> "Provider":
@@ -140,7 +169,9 @@ class StreamedPairs(Provider):
 
     def _dataset(self, positions: np.ndarray) -> PairImages:
         data = self.cfg.data
-        return PairImages(self.data.source, self.data.rows, positions, self.options.resolution, self.data.key, data.skip_bad_rows)
+        return PairImages(
+            self.data.source, self.data.rows, positions, self.options.resolution, self.data.key, data.skip_bad_rows
+        )
 
     def _encode(self, decoded):
         if decoded.dropped:
@@ -168,8 +199,13 @@ class StreamedPairs(Provider):
                 decoded = next(loader)
                 held.append((start + np.asarray(decoded.kept, dtype=np.int64), self._encode(decoded)))
                 start += ENCODE_CHUNK
-            parts = [pairs.select(torch.from_numpy(np.flatnonzero((positions >= consumed) & (positions < consumed + batch_size))))
-                     for positions, pairs in held if pairs is not None]
+            parts = [
+                pairs.select(
+                    torch.from_numpy(np.flatnonzero((positions >= consumed) & (positions < consumed + batch_size)))
+                )
+                for positions, pairs in held
+                if pairs is not None
+            ]
             parts = [part for part in parts if len(part)]
             yield PairBatch.cat(parts) if parts else None
             consumed += batch_size
@@ -205,4 +241,3 @@ class CachedPairs(Provider):
 def split_digest(positions: np.ndarray) -> str:
     """A short digest of the train positions: a resumed run must walk the same ones."""
     return hashlib.sha1(np.ascontiguousarray(positions, dtype=np.int64).tobytes()).hexdigest()[:16]
-

@@ -40,7 +40,9 @@ from omni.algorithms.flow_grpo import (
 from omni.config.errors import require
 
 
-def trust_region_mask(ratio: torch.Tensor, advantages: torch.Tensor, kl: torch.Tensor, threshold: float) -> torch.Tensor:
+def trust_region_mask(
+    ratio: torch.Tensor, advantages: torch.Tensor, kl: torch.Tensor, threshold: float
+) -> torch.Tensor:
     """1 for the transitions that keep their gradient, 0 for those outside the trust region
     moving further out (a constant: no gradient flows through the mask)."""
     moving_out = ((ratio > 1) & (advantages > 0)) | ((ratio < 1) & (advantages < 0))

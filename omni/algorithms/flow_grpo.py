@@ -22,10 +22,10 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from omni import seeding
 from omni.algorithms.base import Algorithm, grouped_rollout
 from omni.config.algorithm import AdvantageNorm, AlgorithmConfig, CFGGradient, KLType
 from omni.config.errors import require
-from omni import seeding
 from omni.context import update_seed
 from omni.models import get_family
 from omni.rollout.base import RolloutBatch
@@ -79,7 +79,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, norm: str = "group"
     return (centred / (std + eps)).reshape(-1)
 
 
-def masked_group_advantages(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, norm: str = "group", eps: float = 1e-4):
+def masked_group_advantages(
+    rewards: torch.Tensor, valid: torch.Tensor, group_size: int, norm: str = "group", eps: float = 1e-4
+):
     """`group_advantages` over the valid rewards only; an invalid (non-finite) reward gets
     advantage 0, so its image takes no part in the update."""
     norm = _norm_name(norm)
@@ -99,7 +101,7 @@ def masked_group_advantages(rewards: torch.Tensor, valid: torch.Tensor, group_si
 
 
 def _norm_name(norm) -> str:
-    """"group", "global" or "none", from the config's enum or a plain string."""
+    """ "group", "global" or "none", from the config's enum or a plain string."""
     norm = getattr(norm, "value", norm)
     if norm not in ("group", "global", "none"):
         raise ValueError(f"advantage normalisation {norm!r}: expected group, global or none")
@@ -110,7 +112,9 @@ def clip_advantages(advantages: torch.Tensor, max_abs: float) -> torch.Tensor:
     return advantages.clamp(-max_abs, max_abs)
 
 
-def clipped_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, clip_range: float):
+def clipped_policy_loss(
+    log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, clip_range: float
+):
     """PPO's pessimistic surrogate, averaged over samples. Returns (loss, ratio, clip fraction)."""
     ratio = torch.exp(log_prob - old_log_prob)
     unclipped = -advantages * ratio
@@ -155,7 +159,9 @@ def minibatch_rows(n_samples: int, sde_steps, num_minibatches: int, seed: int, f
     samples: List[List[torch.Tensor]] = [[] for _ in range(num_minibatches)]
     steps: List[List[torch.Tensor]] = [[] for _ in range(num_minibatches)]
     for i in range(n_samples):
-        generator = torch.Generator().manual_seed(seeding.derive_seed(seed, first_sample + i, seeding.SAMPLE_STEPS) % 2**63)
+        generator = torch.Generator().manual_seed(
+            seeding.derive_seed(seed, first_sample + i, seeding.SAMPLE_STEPS) % 2**63
+        )
         order = torch.randperm(stop - start, generator=generator) + start
         for m, share in enumerate(order.tensor_split(num_minibatches)):
             samples[m].append(torch.full_like(share, i))
@@ -175,7 +181,12 @@ class ScoredSteps:
 
 
 def score_steps(
-    worker, rollout: RolloutBatch, samples: torch.Tensor, steps: torch.Tensor, reference: bool = False, rollout_uncond: bool = False
+    worker,
+    rollout: RolloutBatch,
+    samples: torch.Tensor,
+    steps: torch.Tensor,
+    reference: bool = False,
+    rollout_uncond: bool = False,
 ) -> ScoredSteps:
     """The Gaussian step of each stored transition (sample i, step j) under the policy (with
     gradients) or the reference (adapters disabled, no gradients). `rollout_uncond`: take
@@ -190,9 +201,18 @@ def score_steps(
     uncond = None
     if rollout_uncond and not reference:
         uncond = worker.to_device(rollout.uncond_velocities[samples, steps - opts.sde_steps[0]])
-    velocity = worker.velocity(latents, sigma, cond, opts.guidance_scale, reference=reference, uncond_grad=uncond_grad, uncond=uncond)
+    velocity = worker.velocity(
+        latents, sigma, cond, opts.guidance_scale, reference=reference, uncond_grad=uncond_grad, uncond=uncond
+    )
     _, log_prob, mean, scale = sde_step(
-        velocity, latents, sigma, sigma_next, float(rollout.sigmas[1]), opts.noise_level, next_sample=next_latents, sde_type=opts.sde_type
+        velocity,
+        latents,
+        sigma,
+        sigma_next,
+        float(rollout.sigmas[1]),
+        opts.noise_level,
+        next_sample=next_latents,
+        sde_type=opts.sde_type,
     )
     return ScoredSteps(log_prob, mean, scale, velocity)
 
@@ -215,7 +235,14 @@ def velocity_kl(velocity: torch.Tensor, ref_velocity: torch.Tensor) -> torch.Ten
     return ((velocity - ref_velocity) ** 2).mean(dim=tuple(range(1, velocity.ndim)))
 
 
-def score_transitions(worker, rollout: RolloutBatch, samples: torch.Tensor, steps: torch.Tensor, with_reference: bool, kl_type: str = "latent"):
+def score_transitions(
+    worker,
+    rollout: RolloutBatch,
+    samples: torch.Tensor,
+    steps: torch.Tensor,
+    with_reference: bool,
+    kl_type: str = "latent",
+):
     """The actor's log-probs of the stored transitions (sample i, step j), and its KL to the
     reference (zeros without the reference) -> (log_prob, kl), fp32."""
     policy = score_steps(worker, rollout, samples, steps)
@@ -287,7 +314,9 @@ def rollout_step_means(worker, rollout: RolloutBatch) -> torch.Tensor:
     return torch.cat(means).reshape(len(rollout), stop - start, *means[0].shape[1:])
 
 
-def run_update(worker, batch: GRPOBatch, seed: int, first: int, policy_loss=clipped_loss, needs_old_means: bool = False):
+def run_update(
+    worker, batch: GRPOBatch, seed: int, first: int, policy_loss=clipped_loss, needs_old_means: bool = False
+):
     """Every (sample, SDE step) transition of the batch, `num_inner_epochs` times, each pass
     `num_minibatches` optimizer steps (see `minibatch_rows`) of `policy_loss`. A worker of a
     group holds rows [first, first + len(batch)) of the whole batch."""
@@ -341,7 +370,9 @@ class FlowGRPO(Algorithm):
         advantages = masked_group_advantages(rollout.scores["reward"], rollout.valid, algo.group_size, algo.adv_norm)
         advantages = clip_advantages(advantages, algo.adv_clip_max)
         tick = time.perf_counter()
-        metrics = worker.apply_update(self.update, GRPOBatch(rollout.batch, advantages), update_seed(self.cfg.seed, step))
+        metrics = worker.apply_update(
+            self.update, GRPOBatch(rollout.batch, advantages), update_seed(self.cfg.seed, step)
+        )
         timings = {**rollout.timings, "time/update": time.perf_counter() - tick}
         timings["time/sync"] = worker.sync_weights()["sync/seconds"]
         return {**rollout.reward_metrics(), **{f"train/{k}": v for k, v in metrics.items()}, **timings}
@@ -356,7 +387,8 @@ def check_policy_config(cfg) -> None:
     available = noisy_steps(rollout)
     steps_of = f"rollout.num_steps={rollout.num_steps}" + (
         f" (with rollout.sde_type=cps the last step, to sigma 0, has no noise: {available} stochastic steps)"
-        if available < rollout.num_steps else ""
+        if available < rollout.num_steps
+        else ""
     )
     if CFGGradient(algo.cfg_gradient) == CFGGradient.conditional:
         require(

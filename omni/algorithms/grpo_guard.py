@@ -56,7 +56,9 @@ def guarded_log_ratio(log_prob, old_log_prob, mean, old_mean, scale) -> torch.Te
 def guard_loss(policy: ScoredSteps, old: OldSteps, algo) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """PPO's clipped loss on the guarded ratio -> (loss, metrics)."""
     log_ratio = guarded_log_ratio(policy.log_prob, old.log_prob, policy.mean, old.mean, policy.scale)
-    loss, ratio, clip_fraction = clipped_policy_loss(log_ratio, torch.zeros_like(log_ratio), old.advantages, algo.clip_range)
+    loss, ratio, clip_fraction = clipped_policy_loss(
+        log_ratio, torch.zeros_like(log_ratio), old.advantages, algo.clip_range
+    )
     raw_ratio = torch.exp(policy.log_prob - old.log_prob).mean()
     return loss, {"clip_fraction": clip_fraction, "ratio": ratio.mean(), "raw_ratio": raw_ratio}
 

@@ -56,14 +56,19 @@ class MixGRPO(FlowGRPO):
             algo.sde_window_size >= 1,
             f"algorithm.sde_window_size={algo.sde_window_size}: MixGRPO needs a window of at least 1 step",
         )
-        require(algo.sde_window_range is None, "algorithm.sde_window_range: MixGRPO's window slides on its own; leave it null")
+        require(
+            algo.sde_window_range is None,
+            "algorithm.sde_window_range: MixGRPO's window slides on its own; leave it null",
+        )
         require(algo.window_stride >= 1, f"algorithm.window_stride={algo.window_stride} must be >= 1")
         require(algo.shift_interval >= 1, f"algorithm.shift_interval={algo.shift_interval} must be >= 1")
         super().check_config(cfg)  # the window fits the steps, the minibatches the window
 
     def window(self, step: int) -> Tuple[int, int]:
         algo = self.cfg.algorithm
-        return sliding_window(step, algo.sde_window_size, algo.window_stride, algo.shift_interval, noisy_steps(self.cfg.rollout))
+        return sliding_window(
+            step, algo.sde_window_size, algo.window_stride, algo.shift_interval, noisy_steps(self.cfg.rollout)
+        )
 
 
 ALGORITHM = MixGRPO

@@ -39,7 +39,9 @@ def parse_size(text: str):
     try:
         parts = [int(v) for v in text.lower().split("x")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--resolution {text}: expected pixels (512) or HEIGHTxWIDTH (240x416)") from None
+        raise argparse.ArgumentTypeError(
+            f"--resolution {text}: expected pixels (512) or HEIGHTxWIDTH (240x416)"
+        ) from None
     if len(parts) not in (1, 2) or min(parts) <= 0:
         raise argparse.ArgumentTypeError(f"--resolution {text}: expected pixels (512) or HEIGHTxWIDTH (240x416)")
     return parts[0] if len(parts) == 1 else tuple(parts)
@@ -53,8 +55,16 @@ def run_config(overrides):
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", help="a published architecture of the family or a checkpoint directory (default: model.path, else all)")
-    parser.add_argument("--resolution", type=parse_size, action="append", help="pixels or HEIGHTxWIDTH (video models); default: 512 and 1024")
+    parser.add_argument(
+        "--arch",
+        help="a published architecture of the family or a checkpoint directory (default: model.path, else all)",
+    )
+    parser.add_argument(
+        "--resolution",
+        type=parse_size,
+        action="append",
+        help="pixels or HEIGHTxWIDTH (video models); default: 512 and 1024",
+    )
     parser.add_argument("--micro-batch", type=int, help="default: trainer.micro_batch_size")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="only with (default: both)")
     parser.add_argument("--gpu-memory", type=float, help="GiB per GPU: an estimate above it is an error")
@@ -77,7 +87,9 @@ def main(argv=None) -> None:
     settings = {**run_settings(cfg, family, dtype), "micro_batch": args.micro_batch or cfg.trainer.micro_batch_size}
     frames = (cfg.rollout.num_frames or cfg.model.num_frames) if family.video else 1
     if not family.video and any(isinstance(r, tuple) for r in args.resolution or ()):
-        raise SystemExit(f"--resolution HEIGHTxWIDTH: model.family={family.name} samples square images; give one number")
+        raise SystemExit(
+            f"--resolution HEIGHTxWIDTH: model.family={family.name} samples square images; give one number"
+        )
     results = []
     for arch in archs:
         config = arch_config(family, arch)

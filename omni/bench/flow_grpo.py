@@ -154,7 +154,9 @@ def write_inputs(work: Path) -> tuple:
     """The tiny checkpoint and the prompt files (flow_grpo's dataset layout, which ours reads too)."""
     from omni.models.sd3 import write_tiny_sd3
 
-    model_dir = write_tiny_sd3(work / "sd3-tiny", seed=0, clip_length=SETTINGS["clip_length"], t5_length=SETTINGS["t5_length"])
+    model_dir = write_tiny_sd3(
+        work / "sd3-tiny", seed=0, clip_length=SETTINGS["clip_length"], t5_length=SETTINGS["t5_length"]
+    )
     data_dir = work / "prompts"
     data_dir.mkdir(parents=True, exist_ok=True)
     (data_dir / "train.txt").write_text("\n".join(PROMPTS) + "\n")
@@ -165,7 +167,14 @@ def write_inputs(work: Path) -> tuple:
 def model_dims(model_dir: Path) -> dict:
     config = lambda part: json.loads((model_dir / part / "config.json").read_text())  # noqa: E731
     transformer = config("transformer")
-    keys = ("num_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim", "patch_size", "in_channels")
+    keys = (
+        "num_layers",
+        "num_attention_heads",
+        "attention_head_dim",
+        "joint_attention_dim",
+        "patch_size",
+        "in_channels",
+    )
     return {"transformer": {k: transformer[k] for k in keys}, "clip_hidden_size": config("text_encoder")["hidden_size"],
             "clip_length": config("text_encoder")["max_position_embeddings"], "t5_d_model": config("text_encoder_3")["d_model"]}  # fmt: skip
 
@@ -175,7 +184,9 @@ def step_lines(cmd, cwd, env, pattern, count: int, timeout: float) -> list:
     `pattern`; then the run's process group is ended. A run that exits or times out first is
     an error naming the command, with the end of its stderr."""
     with tempfile.TemporaryFile("w+") as errors:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=errors, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=errors, text=True, start_new_session=True
+        )
         found, lines = [], queue.Queue()
         threading.Thread(target=stamp_lines, args=(proc.stdout, lines), daemon=True).start()
         deadline = time.monotonic() + timeout
@@ -192,8 +203,10 @@ def step_lines(cmd, cwd, env, pattern, count: int, timeout: float) -> list:
             end_group(proc)
         if len(found) < count:
             errors.seek(0)
-            raise RuntimeError(f"{shlex.join(map(str, cmd))} (in {cwd}) printed {len(found)} of {count} step lines within "
-                               f"{timeout:.0f} s (exit code {proc.returncode}); the end of its stderr:\n{errors.read()[-3000:]}")
+            raise RuntimeError(
+                f"{shlex.join(map(str, cmd))} (in {cwd}) printed {len(found)} of {count} step lines within "
+                f"{timeout:.0f} s (exit code {proc.returncode}); the end of its stderr:\n{errors.read()[-3000:]}"
+            )
     return found
 
 
@@ -255,7 +268,9 @@ def base_env(extra: dict) -> dict:
 
 def torch_threads(python: str, env: dict) -> int:
     """torch's intra-op threads in `python` under `env` (so also: that python has torch)."""
-    out = subprocess.run([python, "-c", "import torch; print(torch.get_num_threads())"], env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        [python, "-c", "import torch; print(torch.get_num_threads())"], env=env, capture_output=True, text=True
+    )
     if out.returncode != 0:
         raise SystemExit(f"{python} cannot import torch (exit code {out.returncode}): {out.stderr[-1000:]}")
     return int(out.stdout.strip().splitlines()[-1])
@@ -273,7 +288,10 @@ class Side:
     kind: str = "flow_grpo"  # whose step lines (STEP_LINE, WARMUP_LINES)
 
     def shown(self) -> str:
-        env = " ".join(f"{k}={self.env[k]}" for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED", "WANDB_MODE", "PYTHONPATH"))
+        env = " ".join(
+            f"{k}={self.env[k]}"
+            for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED", "WANDB_MODE", "PYTHONPATH")
+        )
         return f"cd {self.cwd} && {env} {shlex.join(map(str, self.command(0)))}"
 
 
@@ -312,12 +330,16 @@ def measure(side: Side, round_index: int, steps: int, timeout: float) -> dict:
 def summary(rounds: list, names: list) -> dict:
     report = {"rounds": rounds}
     for name in names:
-        report[f"{name}_median_seconds_per_step"] = statistics.median(s for r in rounds for s in r[name]["seconds_per_step"])
+        report[f"{name}_median_seconds_per_step"] = statistics.median(
+            s for r in rounds for s in r[name]["seconds_per_step"]
+        )
     if "flow_grpo" in names:
         for ours in (name for name in names if name != "flow_grpo"):
             for r in rounds:
                 r[f"ratio_flow_grpo_over_{ours}"] = r["flow_grpo"]["median"] / r[ours]["median"]
-            report[f"median_ratio_flow_grpo_over_{ours}"] = statistics.median(r[f"ratio_flow_grpo_over_{ours}"] for r in rounds)
+            report[f"median_ratio_flow_grpo_over_{ours}"] = statistics.median(
+                r[f"ratio_flow_grpo_over_{ours}"] for r in rounds
+            )
     else:
         report["note"] = "flow_grpo not run (--flow-grpo not given): ours only"
     return report
@@ -325,13 +347,19 @@ def summary(rounds: list, names: list) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--flow-grpo", type=Path, help="a flow_grpo checkout (its scripts/train_sd3.py runs unmodified)")
+    parser.add_argument(
+        "--flow-grpo", type=Path, help="a flow_grpo checkout (its scripts/train_sd3.py runs unmodified)"
+    )
     parser.add_argument("--flow-grpo-python", default=sys.executable, help="a python with flow_grpo's dependencies")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each one run of each trainer (flow_grpo first)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run, after the warm-up")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
-    parser.add_argument("--variants", nargs="+", choices=OUR_VARIANTS, default=list(OUR_VARIANTS), help="our variants to time")
-    parser.add_argument("--work-dir", type=Path, help="keep the checkpoint, configs and runs here (default: a temporary directory)")
+    parser.add_argument(
+        "--variants", nargs="+", choices=OUR_VARIANTS, default=list(OUR_VARIANTS), help="our variants to time"
+    )
+    parser.add_argument(
+        "--work-dir", type=Path, help="keep the checkpoint, configs and runs here (default: a temporary directory)"
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 1:
         parser.error(f"--rounds and --steps must be at least 1 (got {args.rounds}, {args.steps})")
@@ -347,7 +375,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace, work: Path) -> dict:
     model_dir, data_dir = write_inputs(work)
-    sides = [ours_side(work, model_dir, data_dir, WARMUP_LINES["ours"] + args.steps, variant) for variant in args.variants]
+    sides = [
+        ours_side(work, model_dir, data_dir, WARMUP_LINES["ours"] + args.steps, variant) for variant in args.variants
+    ]
     if args.flow_grpo is not None:
         sides.insert(0, flow_grpo_side(args.flow_grpo, args.flow_grpo_python, work, model_dir, data_dir))
     settings = {**SETTINGS, "model": model_dims(model_dir), "timed_steps_per_run": args.steps, "rounds": args.rounds,

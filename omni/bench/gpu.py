@@ -104,7 +104,11 @@ def component_configs(family, arch: str, tiny: bool, cache_dir: str):
     if tiny:
         root = family.tiny_path(cache_dir, 0)
         vae = AutoencoderKL.load_config(str(root), subfolder="vae")
-        return family.transformer_config(root), vae, FlowMatchEulerDiscreteScheduler.load_config(str(root), subfolder="scheduler")
+        return (
+            family.transformer_config(root),
+            vae,
+            FlowMatchEulerDiscreteScheduler.load_config(str(root), subfolder="scheduler"),
+        )
     transformer = arch_config(family, arch)
     vae = json.loads((resources.files("omni") / "models" / "configs" / family.published_vae_config).read_text())
     return transformer, vae, family.published_scheduler_config(transformer)
@@ -164,7 +168,9 @@ class Budget:
         return False
 
 
-def build_pipeline(family, configs, lora_rank: int, device: torch.device, dtype: torch.dtype, lora_dtype: str = "float32"):
+def build_pipeline(
+    family, configs, lora_rank: int, device: torch.device, dtype: torch.dtype, lora_dtype: str = "float32"
+):
     """The family's diffusers pipeline around a random transformer (in `dtype`, LoRA attached
     in fp32 as the recipes keep it, or in `dtype` with lora_dtype="model"), a random VAE
     (fp32) and the scheduler; no text encoders or tokenizers."""
@@ -183,7 +189,11 @@ def build_pipeline(family, configs, lora_rank: int, device: torch.device, dtype:
             if is_lora_name(name):
                 param.data = param.data.to(dtype)
     cls = getattr(diffusers, family.pipeline_class)
-    absent = {name: None for name in inspect.signature(cls.__init__).parameters if name not in ("self", "transformer", "vae", "scheduler")}
+    absent = {
+        name: None
+        for name in inspect.signature(cls.__init__).parameters
+        if name not in ("self", "transformer", "vae", "scheduler")
+    }
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
     pipe = cls(transformer=transformer, vae=vae, scheduler=scheduler, **absent)
     pipe.set_progress_bar_config(disable=True)
@@ -202,7 +212,9 @@ def random_conditioning(family, transformer_config: dict, settings: dict, device
     tensors = {}
     for name in family.conditioning.field_names():
         if settings["passes"] == 2 or not name.startswith("neg_"):
-            tensors[name] = torch.randn(*(pooled if "pooled" in name else sequence), generator=generator).to(device, dtype)
+            tensors[name] = torch.randn(*(pooled if "pooled" in name else sequence), generator=generator).to(
+                device, dtype
+            )
     return family.conditioning(**tensors)
 
 
@@ -248,7 +260,9 @@ def bench_rollout(family, pipe, cond, settings: dict, device: torch.device, dtyp
     return {"ours_s": ours_s, "plain_s": plain_s, "peak_gib": ours_peak, "diffusers_peak_gib": plain_peak}
 
 
-def bench_update(family, pipe, cond, settings: dict, cfg_gradient: str, device: torch.device, dtype: torch.dtype) -> dict:
+def bench_update(
+    family, pipe, cond, settings: dict, cfg_gradient: str, device: torch.device, dtype: torch.dtype
+) -> dict:
     """Seconds of one micro-batch's forward and backward, and the peak memory, without and
     with gradient checkpointing."""
     transformer, micro = pipe.transformer, settings["micro_batch"]
@@ -258,7 +272,9 @@ def bench_update(family, pipe, cond, settings: dict, cfg_gradient: str, device: 
     micro_cond = cond.apply(lambda t: t[:micro])
 
     def update():
-        velocity = family.predict_velocity(transformer, latent, sigma, micro_cond, settings["guidance"], uncond_grad=cfg_gradient == "both")
+        velocity = family.predict_velocity(
+            transformer, latent, sigma, micro_cond, settings["guidance"], uncond_grad=cfg_gradient == "both"
+        )
         velocity.square().mean().backward()
 
     seconds, peaks = {}, {}
@@ -288,7 +304,9 @@ def ratio_noise_floor(family, pipe, cond, settings: dict, device: torch.device, 
     steps, resolution = settings["steps"], settings["resolution"]
     options = SamplingOptions(steps, resolution, settings["guidance"], 0.7, settings["t5_tokens"], sde_steps=(0, steps))
     sigmas = family.sigmas(pipe, steps, resolution)
-    latents, log_probs, _, _ = sample_trajectories(family, pipe, cond, list(range(settings["batch"])), sigmas, options, device, dtype)
+    latents, log_probs, _, _ = sample_trajectories(
+        family, pipe, cond, list(range(settings["batch"])), sigmas, options, device, dtype
+    )
     cpu_cond = cond.apply(lambda t: t.cpu())
     batch = RolloutBatch([""] * len(latents), None, latents, log_probs, sigmas.cpu(), cpu_cond, options)
     micro = settings["micro_batch"]
@@ -352,8 +370,14 @@ def bench_arch(arch: str, args, budget: Budget) -> dict:
     settings = arch_settings(arch, family, configs, args)
     plan = flops_plan(family, configs[0], settings)
     settings["params"] = plan["params"]
-    section = {"settings": settings, "estimated_s": {k: figure(budget.seconds(f)) for k, f in plan["total"].items()}, "skipped": []}
-    if args.estimate or not budget.fits("the architecture (its rollout first)", plan["total"]["rollout"], section["skipped"]):
+    section = {
+        "settings": settings,
+        "estimated_s": {k: figure(budget.seconds(f)) for k, f in plan["total"].items()},
+        "skipped": [],
+    }
+    if args.estimate or not budget.fits(
+        "the architecture (its rollout first)", plan["total"]["rollout"], section["skipped"]
+    ):
         return section
     pipe = build_pipeline(family, configs, args.lora_rank, device, dtype, args.lora_dtype)
     cond = random_conditioning(family, configs[0], settings, device, dtype)
@@ -381,6 +405,7 @@ def bench_arch(arch: str, args, budget: Budget) -> dict:
         section["ratio_noise_floor"] = ratio_noise_floor(family, pipe, cond, settings, device, dtype)
     except RuntimeError as e:
         section["ratio_noise_floor"] = {"error": failure(e)}
+
     def collect():
         collect_lora_params(pipe.transformer, False, True, True, "default", family.layer_prefixes)
 
@@ -393,8 +418,15 @@ def bench_arch(arch: str, args, budget: Budget) -> dict:
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", action="append", choices=sorted(ARCH_SETTINGS), help="repeatable; default: " + ", ".join(DEFAULT_ARCHS))
-    parser.add_argument("--tiny", action="store_true", help="each arch's family's tiny model instead (checks the script)")
+    parser.add_argument(
+        "--arch",
+        action="append",
+        choices=sorted(ARCH_SETTINGS),
+        help="repeatable; default: " + ", ".join(DEFAULT_ARCHS),
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="each arch's family's tiny model instead (checks the script)"
+    )
     parser.add_argument("--estimate", action="store_true", help="print the settings and the time estimate only")
     parser.add_argument("--cache-dir", default="~/.cache/omni-recipes", help="where the tiny models are built")
     parser.add_argument("--device", default="cuda")
@@ -404,18 +436,33 @@ def parse_args(argv):
     parser.add_argument("--micro-batch", type=int, default=4, help="transitions per update forward/backward")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--guidance", type=float, help="default: the architecture's (SD3.5-Medium 4.5, FLUX.1-dev 3.5)")
-    parser.add_argument("--text-tokens", type=int, help="T5 tokens (model.max_sequence_length); default: the pipeline's")
+    parser.add_argument(
+        "--text-tokens", type=int, help="T5 tokens (model.max_sequence_length); default: the pipeline's"
+    )
     parser.add_argument("--lora-rank", type=int, default=32)
-    parser.add_argument("--lora-dtype", default="float32", choices=("float32", "model"),
-                        help="the LoRA's weights: fp32 as the recipes keep them, or the transformer's dtype")
-    parser.add_argument("--cudnn-attention", action="store_true",
-                        help="let SDPA pick cuDNN's attention (its backward faulted on FLUX.1-dev, torch 2.11, H200)")
+    parser.add_argument(
+        "--lora-dtype",
+        default="float32",
+        choices=("float32", "model"),
+        help="the LoRA's weights: fp32 as the recipes keep them, or the transformer's dtype",
+    )
+    parser.add_argument(
+        "--cudnn-attention",
+        action="store_true",
+        help="let SDPA pick cuDNN's attention (its backward faulted on FLUX.1-dev, torch 2.11, H200)",
+    )
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense bf16 peak (H100/H200: 989)")
-    parser.add_argument("--time-budget-s", type=float, default=420.0, help="skip what would not fit (estimated) in this")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=989.0, help="the device's dense bf16 peak (H100/H200: 989)"
+    )
+    parser.add_argument(
+        "--time-budget-s", type=float, default=420.0, help="skip what would not fit (estimated) in this"
+    )
     args = parser.parse_args(argv)
     if not 0 < args.micro_batch <= args.batch:
-        parser.error(f"--micro-batch {args.micro_batch}: 1 to --batch ({args.batch}); the update takes its rows from the rollout's")
+        parser.error(
+            f"--micro-batch {args.micro_batch}: 1 to --batch ({args.batch}); the update takes its rows from the rollout's"
+        )
     return args
 
 

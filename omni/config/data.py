@@ -14,8 +14,10 @@ class DataConfig:
     # A `hint` says, when the value is missing, what to pass (omni.validation).
     train: str = field(
         default=MISSING,
-        metadata={"hint": "pass data.train=/path/to/prompts.txt (one prompt a line; JSONL or CSV also read) "
-                          "or data.train=omni:<name> for a set shipped with the package (e.g. omni:colors_train)"},
+        metadata={
+            "hint": "pass data.train=/path/to/prompts.txt (one prompt a line; JSONL or CSV also read) "
+            "or data.train=omni:<name> for a set shipped with the package (e.g. omni:colors_train)"
+        },
     )
     # Held-out prompts for evaluation; None: the train prompts.
     eval: Optional[str] = None

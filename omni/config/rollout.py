@@ -18,7 +18,10 @@ def engine_names() -> List[str]:
     """The rollout engines: the modules omni/rollout/<engine>_engine.py, listed without
     importing them (so a new engine is a new module, and a misspelt one still fails at
     composition, naming `rollout.engine`)."""
-    found = {path.name[: -len("_engine.py")] for path in (Path(__file__).resolve().parents[1] / "rollout").glob("*_engine.py")}
+    found = {
+        path.name[: -len("_engine.py")]
+        for path in (Path(__file__).resolve().parents[1] / "rollout").glob("*_engine.py")
+    }
     # and a plugin's engine: an entry point of omni_recipes.rollout (see omni.registry)
     return sorted(found | {point.name for point in importlib.metadata.entry_points(group="omni_recipes.rollout")})
 

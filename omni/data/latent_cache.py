@@ -85,7 +85,9 @@ def encoder_fingerprint(model_dir: Path, text_encoders) -> Dict[str, Optional[st
 
 def cache_key(cfg, source, family, model_dir: Path) -> dict:
     """What the cached numbers depend on (see the module docstring)."""
-    data_files = [[p.name, size, mtime] for (p, size, mtime) in ((Path(f), s, m) for f, s, m in source.fingerprint()["files"])]
+    data_files = [
+        [p.name, size, mtime] for (p, size, mtime) in ((Path(f), s, m) for f, s, m in source.fingerprint()["files"])
+    ]
     return {
         "version": CACHE_VERSION,
         "family": family.name,
@@ -136,7 +138,9 @@ def key_differences(made: dict, run: dict) -> List[str]:
     for component in sorted(set(made.get("encoders", {})) | set(run.get("encoders", {}))):
         if made.get("encoders", {}).get(component) != run["encoders"].get(component):
             what = "VAE" if component == "vae" else component
-            found.append(f"its {what} differs from this run's ({component}/ of {made.get('model')} vs {run.get('model')})")
+            found.append(
+                f"its {what} differs from this run's ({component}/ of {made.get('model')} vs {run.get('model')})"
+            )
     if made.get("data") != run.get("data"):
         found.append("it was made from other preference data (data.pairs files, sizes or modification times differ)")
     return found
@@ -146,7 +150,8 @@ def check_key(directory: Path, made: dict, run: dict) -> None:
     differences = key_differences(made, run)
     if differences:
         raise ValueError(
-            f"data.latent_cache={directory} was made for another model or data: " + "; ".join(differences)
+            f"data.latent_cache={directory} was made for another model or data: "
+            + "; ".join(differences)
             + ". Remove it, or choose another data.latent_cache directory"
         )
 
@@ -208,7 +213,9 @@ def _existing_shards(directory: Path) -> List[Tuple[int, int, str]]:
     return sorted(found)
 
 
-def _write_shard(directory: Path, start: int, end: int, parts: Dict[str, List[np.ndarray]], dtypes: Dict[str, str]) -> str:
+def _write_shard(
+    directory: Path, start: int, end: int, parts: Dict[str, List[np.ndarray]], dtypes: Dict[str, str]
+) -> str:
     def write(tmp: Path) -> None:
         for name, arrays in parts.items():
             np.save(tmp / f"{name}.npy", np.concatenate(arrays))
@@ -219,7 +226,9 @@ def _write_shard(directory: Path, start: int, end: int, parts: Dict[str, List[np
     return name
 
 
-def _encode_chunk(items, encoder, max_sequence_length: int) -> Tuple[Dict[str, torch.Tensor], Dict[str, str], np.ndarray]:
+def _encode_chunk(
+    items, encoder, max_sequence_length: int
+) -> Tuple[Dict[str, torch.Tensor], Dict[str, str], np.ndarray]:
     """Latents and conditioning of a chunk of decoded pairs (unreadable ones as zeros)."""
     good = [item for item in items if not isinstance(item, str)]
     valid = np.array([not isinstance(item, str) for item in items])
@@ -237,9 +246,20 @@ def _encode_chunk(items, encoder, max_sequence_length: int) -> Tuple[Dict[str, t
     return out, dtypes, valid
 
 
-def build_cache(directory, key: dict, source, rows: np.ndarray, stats: dict, encoder, resolution: int,
-                max_sequence_length: int, skip_bad_rows: bool = False, first_bad: Optional[str] = None,
-                num_workers: int = 0, progress: bool = False) -> Path:
+def build_cache(
+    directory,
+    key: dict,
+    source,
+    rows: np.ndarray,
+    stats: dict,
+    encoder,
+    resolution: int,
+    max_sequence_length: int,
+    skip_bad_rows: bool = False,
+    first_bad: Optional[str] = None,
+    num_workers: int = 0,
+    progress: bool = False,
+) -> Path:
     """Encode every good pair (positions 0..len(rows)-1) with `encoder` (`encode_images`,
     `encode_prompts`: a worker or a rollout engine) into shards under `directory`, after the
     shards an interrupted build left; then write rows.npy and the manifest. A pair whose
@@ -281,8 +301,14 @@ def build_cache(directory, key: dict, source, rows: np.ndarray, stats: dict, enc
     valid = [_load_array(directory, directory / name / "valid.npy", end - begin) for begin, end, name in shards]
     stats["skipped_bad"] += sum(int((~np.asarray(v)).sum()) for v in valid)
     _save_npy(directory / "rows.npy", np.asarray(rows, dtype=np.int64))
-    manifest = {"key": key, "count": len(rows), "shards": [list(s) for s in shards], "dtypes": dtypes,
-                "stats": stats, "first_bad": first_bad}
+    manifest = {
+        "key": key,
+        "count": len(rows),
+        "shards": [list(s) for s in shards],
+        "dtypes": dtypes,
+        "stats": stats,
+        "first_bad": first_bad,
+    }
     write_text(directory / "manifest.json", json.dumps(manifest, indent=1))
     building.unlink()
     return directory
@@ -292,7 +318,9 @@ def _shard_dtypes(shard: Path) -> Dict[str, str]:
     try:
         return json.loads((shard / "dtypes.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise damaged(shard.parent, shard / "dtypes.json", f"is not readable ({type(error).__name__}: {error})") from None
+        raise damaged(
+            shard.parent, shard / "dtypes.json", f"is not readable ({type(error).__name__}: {error})"
+        ) from None
 
 
 # ----------------------------------------------------------------------------- reading
@@ -319,7 +347,9 @@ def _read_manifest(directory: Path) -> dict:
         manifest = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise damaged(directory, path, f"is not a readable manifest ({type(error).__name__}: {error})") from None
-    missing = [k for k in ("key", "count", "shards", "dtypes", "stats") if not isinstance(manifest, dict) or k not in manifest]
+    missing = [
+        k for k in ("key", "count", "shards", "dtypes", "stats") if not isinstance(manifest, dict) or k not in manifest
+    ]
     if missing:
         raise damaged(directory, path, f"lacks {missing}")
     return manifest
@@ -357,6 +387,7 @@ class LatentCache:
         self.starts = np.asarray([s[0] for s in manifest["shards"]], dtype=np.int64)
         fields = [*manifest["dtypes"], "valid"]
         self.arrays = [_load_shard(directory, start, end, name, fields) for start, end, name in manifest["shards"]]
+
     def __len__(self) -> int:
         return int(self.manifest["count"])
 

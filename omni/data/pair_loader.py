@@ -84,7 +84,15 @@ class DecodedPairs:
 class PairImages(Dataset):
     """Pairs at `positions` (indices into the good rows `rows` of `source`), decoded lazily."""
 
-    def __init__(self, source: PairSource, rows: np.ndarray, positions: np.ndarray, resolution: int, key: str, skip_bad_rows: bool):
+    def __init__(
+        self,
+        source: PairSource,
+        rows: np.ndarray,
+        positions: np.ndarray,
+        resolution: int,
+        key: str,
+        skip_bad_rows: bool,
+    ):
         self.source, self.rows, self.positions = source, rows, positions
         self.resolution, self.key, self.skip_bad_rows = resolution, key, skip_bad_rows
 

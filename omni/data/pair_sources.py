@@ -210,7 +210,9 @@ class SavedDatasetSource(PairSource):
             try:
                 dataset = datasets.load_from_disk(str(self.path))
             except FileNotFoundError as error:
-                raise ValueError(f"{self.path} is a directory but not a dataset saved with save_to_disk: {error}") from error
+                raise ValueError(
+                    f"{self.path} is a directory but not a dataset saved with save_to_disk: {error}"
+                ) from error
             except Exception as error:  # pyarrow's OSError / ArrowInvalid for a cut or damaged file
                 raise ValueError(self._damaged(error)) from None
             if isinstance(dataset, datasets.DatasetDict):

@@ -122,7 +122,9 @@ def _open_clip(value, base_dir: Path, column: str, num_frames: int, decode: bool
     if isinstance(value, dict):
         value = value.get("path")
     if not isinstance(value, (str, os.PathLike)):
-        raise BadRow(f"column '{column}' holds a {type(value).__name__}, not a video path (an mp4 file or a frame folder)")
+        raise BadRow(
+            f"column '{column}' holds a {type(value).__name__}, not a video path (an mp4 file or a frame folder)"
+        )
     path = Path(value).expanduser()
     source = path if path.is_absolute() else base_dir / path
     try:
@@ -131,7 +133,9 @@ def _open_clip(value, base_dir: Path, column: str, num_frames: int, decode: bool
     except VideoError as error:
         raise BadRow(f"column '{column}': {error}") from error
     if count != num_frames:
-        raise BadRow(f"video {source} in column '{column}' has {count} frames; the run's clips have rollout.num_frames={num_frames}")
+        raise BadRow(
+            f"video {source} in column '{column}' has {count} frames; the run's clips have rollout.num_frames={num_frames}"
+        )
     return frames
 
 

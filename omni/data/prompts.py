@@ -63,7 +63,9 @@ def resolve_prompt_file(spec: str, key: str) -> Path:
         raise FileNotFoundError(f"{key}={spec}: no prompt set '{name}' ships with omni")
     path = Path(spec).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"{key}={spec}: prompt file not found (one prompt a line, JSONL with a 'prompt' field, or CSV with a prompt column)")
+        raise FileNotFoundError(
+            f"{key}={spec}: prompt file not found (one prompt a line, JSONL with a 'prompt' field, or CSV with a prompt column)"
+        )
     return path
 
 
@@ -138,7 +140,9 @@ def csv_prompts(path: Path, refuse) -> List[Prompt]:
     column = next((i for i, name in enumerate(lowered) if name in PROMPT_COLUMNS), None)
     if column is None:
         where = f"{path}, line {numbers[-1] if numbers else 1}"
-        expected = f"a CSV prompt file starts with a header naming its prompt column, one of {list(PROMPT_COLUMNS)} (any case)"
+        expected = (
+            f"a CSV prompt file starts with a header naming its prompt column, one of {list(PROMPT_COLUMNS)} (any case)"
+        )
         refuse(where, f"{expected}; the header is {header}", skippable=False)
     prompts, start = [], len(numbers)
     while True:
@@ -167,6 +171,8 @@ def items_for_step(items: Sequence[T], step: int, n: int, seed: int) -> List[T]:
     for position in range(step * n, (step + 1) * n):
         epoch, index = divmod(position, len(items))
         if epoch not in orders:
-            orders[epoch] = torch.randperm(len(items), generator=seeding.seeded_generator(seed, epoch, seeding.EPOCH_ORDER))
+            orders[epoch] = torch.randperm(
+                len(items), generator=seeding.seeded_generator(seed, epoch, seeding.EPOCH_ORDER)
+            )
         picked.append(items[int(orders[epoch][index])])
     return picked

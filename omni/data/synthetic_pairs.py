@@ -133,8 +133,15 @@ def write_synthetic_pairs(
     return _write_parquet(Path(out_dir), pairs, shard_size, row_group_size)
 
 
-def write_synthetic_video_pairs(out_dir: str | os.PathLike, n_pairs: int, resolution: int = 32, num_frames: int = 5, seed: int = 0,
-                                prompts: Optional[Sequence[str]] = None, fps: int = 8) -> Path:
+def write_synthetic_video_pairs(
+    out_dir: str | os.PathLike,
+    n_pairs: int,
+    resolution: int = 32,
+    num_frames: int = 5,
+    seed: int = 0,
+    prompts: Optional[Sequence[str]] = None,
+    fps: int = 8,
+) -> Path:
     """The video form of the set, for a video model's DPO: each pair's chosen clip is its
     rejected one `2 * BRIGHTNESS_GAP` lighter; a clip is one smooth image panning right a
     pixel a frame. Even pairs are mp4 files, odd pairs folders of PNG frames (both forms a

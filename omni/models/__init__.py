@@ -15,7 +15,6 @@ from omni.models.base import Conditioning, ModelFamily
 from omni.registry import Registry
 
 
-
 class _UnusedImageProcessorNotice(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return "requires torchvision" not in record.getMessage()

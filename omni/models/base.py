@@ -100,7 +100,9 @@ def invert_decoder(vae, images: torch.Tensor, device, steps: int) -> torch.Tenso
     pairs) teaches the model nothing about how the images look. Deterministic for given
     images, like the encoder."""
     target = images.to(device, torch.float32)
-    latents = torch.zeros(len(images), vae.config.latent_channels, *_latent_size(vae, images), device=device, requires_grad=True)
+    latents = torch.zeros(
+        len(images), vae.config.latent_channels, *_latent_size(vae, images), device=device, requires_grad=True
+    )
     optimizer = torch.optim.Adam([latents], lr=INVERSION_LR)
     frozen = [p for p in vae.decoder.parameters() if p.requires_grad]
     for parameter in frozen:
@@ -237,9 +239,13 @@ class ModelFamily:
         onto it (no whole copy in host memory first, which 8 workers of a node would each hold)."""
         cls = self._diffusers(self.transformer_class)
         placement = {} if device is None else {"device_map": {"": str(device)}}
-        return cls.from_pretrained(str(path), subfolder="transformer", local_files_only=True, **dtype_argument(dtype), **placement)
+        return cls.from_pretrained(
+            str(path), subfolder="transformer", local_files_only=True, **dtype_argument(dtype), **placement
+        )
 
-    def load_pipeline(self, path: str | os.PathLike, dtype: torch.dtype, load_base: bool = True, without_transformer: bool = False):
+    def load_pipeline(
+        self, path: str | os.PathLike, dtype: torch.dtype, load_base: bool = True, without_transformer: bool = False
+    ):
         """The whole pipeline in `dtype`, but its VAE in fp32 (as the reference recipes keep
         it: bf16 decoding shifts the pixels a reward sees); without `load_base` the
         transformer is a random module of the right shape that the first weight sync fills;
@@ -252,10 +258,14 @@ class ModelFamily:
             components["transformer"] = cls.from_config(self.transformer_config(path)).to(dtype)
         cls = self._diffusers(self.pipeline_class)
         # the VAE is loaded in fp32, not cast after loading (which diffusers warns against)
-        return cls.from_pretrained(str(path), local_files_only=True, **dtype_argument({"default": dtype, "vae": torch.float32}), **components)
+        return cls.from_pretrained(
+            str(path), local_files_only=True, **dtype_argument({"default": dtype, "vae": torch.float32}), **components
+        )
 
     # ----------------------------------------------------------------- sampling
-    def encode_prompts(self, pipe, prompts: List[str], guidance_scale: float, max_sequence_length: int, device) -> Conditioning:
+    def encode_prompts(
+        self, pipe, prompts: List[str], guidance_scale: float, max_sequence_length: int, device
+    ) -> Conditioning:
         raise NotImplementedError
 
     def sigmas(self, pipe, num_steps: int, resolution: int) -> torch.Tensor:
@@ -263,7 +273,9 @@ class ModelFamily:
         pipe.scheduler.set_timesteps(num_steps, device="cpu")
         return pipe.scheduler.sigmas.float().clone()
 
-    def initial_latents(self, pipe, generators: Sequence[torch.Generator], resolution: int, num_frames: int = 1) -> torch.Tensor:
+    def initial_latents(
+        self, pipe, generators: Sequence[torch.Generator], resolution: int, num_frames: int = 1
+    ) -> torch.Tensor:
         """One initial noise latent per generator, in the transformer's input layout, fp32 CPU;
         `num_frames`: a video family's frames per clip (an image family takes 1)."""
         raise NotImplementedError
@@ -290,7 +302,9 @@ class ModelFamily:
     def both_passes(self, transformer, latents, sigmas, cond: Conditioning) -> Tuple[torch.Tensor, torch.Tensor]:
         """(conditional, unconditional) velocities; a family whose passes batch together
         runs them as one."""
-        return self.velocity_pass(transformer, latents, sigmas, cond), self.velocity_pass(transformer, latents, sigmas, cond, negative=True)
+        return self.velocity_pass(transformer, latents, sigmas, cond), self.velocity_pass(
+            transformer, latents, sigmas, cond, negative=True
+        )
 
     def guide(self, text: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
         """Classifier-free guidance's combination of the two passes' velocities."""

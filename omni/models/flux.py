@@ -98,7 +98,9 @@ def write_tiny_flux(out_dir: str | os.PathLike, seed: int = 0, guidance_embeds: 
 
 def tiny_flux_path(cache_dir: str | os.PathLike, seed: int = 0) -> Path:
     """Directory of the cached tiny (dev-like) pipeline for `seed`, built on first use."""
-    return cached_checkpoint(cache_dir, "flux-tiny", TINY_BUILDER_VERSION, seed, lambda path: write_tiny_flux(path, seed))
+    return cached_checkpoint(
+        cache_dir, "flux-tiny", TINY_BUILDER_VERSION, seed, lambda path: write_tiny_flux(path, seed)
+    )
 
 
 def image_ids(tokens: int, device, dtype) -> torch.Tensor:
@@ -147,7 +149,10 @@ class FluxFamily(ModelFamily):
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     text_encoders = ("text_encoder", "text_encoder_2")
     native = FluxNative()
-    published_configs = {"flux.1-dev": "flux.1-dev-transformer.json", "flux.1-schnell": "flux.1-schnell-transformer.json"}
+    published_configs = {
+        "flux.1-dev": "flux.1-dev-transformer.json",
+        "flux.1-schnell": "flux.1-schnell-transformer.json",
+    }
     # CLIP ViT-L/14's text model and the T5-XXL encoder; the 16-channel autoencoder.
     text_encoder_params = 123_060_480 + 4_762_310_656
     vae_params = 83_819_683
@@ -189,7 +194,9 @@ class FluxFamily(ModelFamily):
             )
 
     # ----------------------------------------------------------------- sampling
-    def encode_prompts(self, pipe, prompts: List[str], guidance_scale: float, max_sequence_length: int, device) -> FluxPromptEmbeds:
+    def encode_prompts(
+        self, pipe, prompts: List[str], guidance_scale: float, max_sequence_length: int, device
+    ) -> FluxPromptEmbeds:
         """T5 and pooled CLIP embeddings of `prompts` (FLUX has no negative prompt)."""
         with torch.no_grad():
             embeds, pooled, _ = pipe.encode_prompt(
@@ -201,16 +208,22 @@ class FluxFamily(ModelFamily):
         """FluxPipeline's schedule (`shifted_sigmas`)."""
         return shifted_sigmas(pipe, num_steps, resolution)
 
-    def initial_latents(self, pipe, generators: Sequence[torch.Generator], resolution: int, num_frames: int = 1) -> torch.Tensor:
+    def initial_latents(
+        self, pipe, generators: Sequence[torch.Generator], resolution: int, num_frames: int = 1
+    ) -> torch.Tensor:
         return packed_noise(pipe, generators, resolution)
 
-    def predict_velocity(self, transformer, latents, sigmas, cond: FluxPromptEmbeds, guidance_scale: float, uncond_grad: bool = True):
+    def predict_velocity(
+        self, transformer, latents, sigmas, cond: FluxPromptEmbeds, guidance_scale: float, uncond_grad: bool = True
+    ):
         """The transformer's velocity at noise levels `sigmas` (FLUX takes sigma itself as the
         timestep), with FLUX.1-dev's guidance embedding when the transformer has one (one
         pass: there is no unconditional pass, so `uncond_grad` changes nothing)."""
         guidance = None
         if transformer.config.guidance_embeds:
-            guidance = torch.full((latents.shape[0],), float(guidance_scale), device=latents.device, dtype=torch.float32)
+            guidance = torch.full(
+                (latents.shape[0],), float(guidance_scale), device=latents.device, dtype=torch.float32
+            )
         return transformer(
             hidden_states=latents,
             timestep=sigmas,

@@ -78,7 +78,15 @@ TEMPLATE_WORDS = (
     "system Describe the image by detailing color shape size texture quantity text spatial "
     "relationships of objects and background user assistant"
 ).split()
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
 
 
 # ----------------------------------------------------------------- tiny tokenizer
@@ -131,7 +139,10 @@ def qwen_text_encoder(tokenizer, seed: int):
     """A 32-wide, two-layer Qwen2.5-VL (a one-block vision tower it never uses for text)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "vision_end", "image_pad", "video_pad")}
+    ids = {
+        name: tokenizer.convert_tokens_to_ids(f"<|{name}|>")
+        for name in ("vision_start", "vision_end", "image_pad", "video_pad")
+    }
     config = Qwen2_5_VLConfig(
         text_config=dict(
             vocab_size=len(tokenizer),
@@ -146,7 +157,14 @@ def qwen_text_encoder(tokenizer, seed: int):
             eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
             pad_token_id=tokenizer.pad_token_id,
         ),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=TINY_TEXT_WIDTH, fullatt_block_indexes=[0]),
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=TINY_TEXT_WIDTH,
+            fullatt_block_indexes=[0],
+        ),
         image_token_id=ids["image_pad"],
         video_token_id=ids["video_pad"],
         vision_start_token_id=ids["vision_start"],
@@ -163,7 +181,9 @@ def qwen_vae(seed: int):
     from diffusers import AutoencoderKLQwenImage
 
     torch.manual_seed(seed)
-    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True])
+    vae = AutoencoderKLQwenImage(
+        base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
     with torch.no_grad():
         vae.decoder.conv_out.weight.mul_(TINY_DECODER_GAIN)
     return vae
@@ -192,7 +212,9 @@ def write_tiny_qwen_image(out_dir: str | os.PathLike, seed: int = 0) -> Path:
 
 def tiny_qwen_image_path(cache_dir: str | os.PathLike, seed: int = 0) -> Path:
     """Directory of the cached tiny pipeline for `seed`, built on first use."""
-    return cached_checkpoint(cache_dir, "qwen-image-tiny", TINY_BUILDER_VERSION, seed, lambda path: write_tiny_qwen_image(path, seed))
+    return cached_checkpoint(
+        cache_dir, "qwen-image-tiny", TINY_BUILDER_VERSION, seed, lambda path: write_tiny_qwen_image(path, seed)
+    )
 
 
 # ----------------------------------------------------------------- conditioning
@@ -296,7 +318,10 @@ class QwenImageFamily(ModelFamily):
         """In the last block, what only the text stream's output depends on (its queries, its
         attention output and feed-forward): the transformer returns only image tokens."""
         last = f"transformer_blocks.{transformer_config['num_layers'] - 1}"
-        return [f"{last}.{name}" for name in ("attn.add_q_proj", "attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2")]
+        return [
+            f"{last}.{name}" for name in ("attn.add_q_proj", "attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2")
+        ]
+
     text_encoders = ("text_encoder",)
     published_configs = {"qwen-image": "qwen-image-transformer.json"}
     # Qwen2.5-VL-7B (language model and vision tower, as the pipeline loads it) and the
@@ -330,23 +355,33 @@ class QwenImageFamily(ModelFamily):
 
     def check_settings(self, transformer_config: dict, model, rollout) -> None:
         if model.vae_inversion_steps:
-            raise ValueError(f"model.vae_inversion_steps={model.vae_inversion_steps}: Qwen-Image's images are encoded by its VAE's encoder (set 0)")
+            raise ValueError(
+                f"model.vae_inversion_steps={model.vae_inversion_steps}: Qwen-Image's images are encoded by its VAE's encoder (set 0)"
+            )
         if model.max_sequence_length > MAX_SEQUENCE_LENGTH:
             raise ValueError(
                 f"model.max_sequence_length={model.max_sequence_length}: Qwen-Image takes at most {MAX_SEQUENCE_LENGTH} prompt tokens"
             )
 
     # ----------------------------------------------------------------- sampling
-    def encode_prompts(self, pipe, prompts: List[str], guidance_scale: float, max_sequence_length: int, device) -> QwenPromptEmbeds:
+    def encode_prompts(
+        self, pipe, prompts: List[str], guidance_scale: float, max_sequence_length: int, device
+    ) -> QwenPromptEmbeds:
         """The prompts' (and under true CFG, the negative prompt's) embeddings and masks,
         padded to `max_sequence_length`."""
         with torch.no_grad():
-            embeds, mask = pipe.encode_prompt(prompt=list(prompts), device=device, max_sequence_length=max_sequence_length)
+            embeds, mask = pipe.encode_prompt(
+                prompt=list(prompts), device=device, max_sequence_length=max_sequence_length
+            )
             embeds, mask = pad_to(embeds, mask, max_sequence_length)
             neg_embeds = neg_mask = None
             if guidance_scale > 1:
-                neg, neg_mask = pipe.encode_prompt(prompt=[NEGATIVE_PROMPT], device=device, max_sequence_length=max_sequence_length)
-                neg_embeds, neg_mask = (t.expand(len(prompts), *t.shape[1:]) for t in pad_to(neg, neg_mask, max_sequence_length))
+                neg, neg_mask = pipe.encode_prompt(
+                    prompt=[NEGATIVE_PROMPT], device=device, max_sequence_length=max_sequence_length
+                )
+                neg_embeds, neg_mask = (
+                    t.expand(len(prompts), *t.shape[1:]) for t in pad_to(neg, neg_mask, max_sequence_length)
+                )
         return QwenPromptEmbeds(embeds, mask, neg_embeds, neg_mask)
 
     def sigmas(self, pipe, num_steps: int, resolution: int) -> torch.Tensor:
@@ -354,7 +389,9 @@ class QwenImageFamily(ModelFamily):
         shifted noise levels to its terminal value)."""
         return shifted_sigmas(pipe, num_steps, resolution)
 
-    def initial_latents(self, pipe, generators: Sequence[torch.Generator], resolution: int, num_frames: int = 1) -> torch.Tensor:
+    def initial_latents(
+        self, pipe, generators: Sequence[torch.Generator], resolution: int, num_frames: int = 1
+    ) -> torch.Tensor:
         return packed_noise(pipe, generators, resolution)
 
     # True CFG: two passes, each prompt cut to its batch's longest, as the pipeline runs them.

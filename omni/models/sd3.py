@@ -84,7 +84,9 @@ def build_tiny_sd3_pipeline(seed: int = 0, clip_length: int = TINY_TEXT_LENGTH, 
     )
 
 
-def write_tiny_sd3(out_dir: str | os.PathLike, seed: int = 0, clip_length: int = TINY_TEXT_LENGTH, t5_length: int = TINY_TEXT_LENGTH) -> Path:
+def write_tiny_sd3(
+    out_dir: str | os.PathLike, seed: int = 0, clip_length: int = TINY_TEXT_LENGTH, t5_length: int = TINY_TEXT_LENGTH
+) -> Path:
     """Build the tiny pipeline (text lengths as in `build_tiny_sd3_pipeline`) and save it to
     `out_dir` atomically (never half-written)."""
     return save_pipeline(build_tiny_sd3_pipeline(seed, clip_length, t5_length), out_dir)
@@ -110,7 +112,10 @@ class SD3Native(NativePipeline):
 
     pipeline = "vllm_omni.diffusion.models.sd3.pipeline_sd3.StableDiffusion3Pipeline"
     cond_arguments = (
-        "prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds"
+        "prompt_embeds",
+        "pooled_prompt_embeds",
+        "negative_prompt_embeds",
+        "negative_pooled_prompt_embeds",
     )
 
     def timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
@@ -119,6 +124,7 @@ class SD3Native(NativePipeline):
     @torch.no_grad()
     def encode_prompts(self, pipe, prompts, guidance_scale: float, max_sequence_length: int):
         """From vLLM-Omni's text encoders (negatives: the empty prompt)."""
+
         def encode(texts):
             return pipe.encode_prompt(
                 prompt=texts, prompt_2=None, prompt_3=None, max_sequence_length=max_sequence_length
@@ -164,7 +170,9 @@ class SD3Family(ModelFamily):
     def forward_passes(self, guidance_scale: float) -> int:
         return 2 if guidance_scale > 1 else 1
 
-    def encode_prompts(self, pipe, prompts: List[str], guidance_scale: float, max_sequence_length: int, device) -> PromptEmbeds:
+    def encode_prompts(
+        self, pipe, prompts: List[str], guidance_scale: float, max_sequence_length: int, device
+    ) -> PromptEmbeds:
         """Text embeddings of `prompts` (and of the empty negative prompt under CFG)."""
         with torch.no_grad():
             embeds, neg_embeds, pooled, neg_pooled = pipe.encode_prompt(
@@ -178,7 +186,9 @@ class SD3Family(ModelFamily):
             )
         return PromptEmbeds(embeds, pooled, neg_embeds, neg_pooled)
 
-    def initial_latents(self, pipe, generators: Sequence[torch.Generator], resolution: int, num_frames: int = 1) -> torch.Tensor:
+    def initial_latents(
+        self, pipe, generators: Sequence[torch.Generator], resolution: int, num_frames: int = 1
+    ) -> torch.Tensor:
         channels, size = pipe.transformer.config.in_channels, resolution // pipe.vae_scale_factor
         return torch.stack([torch.randn(channels, size, size, generator=g) for g in generators])
 
@@ -187,7 +197,11 @@ class SD3Family(ModelFamily):
     def velocity_pass(self, transformer, latents, sigmas, cond: PromptEmbeds, negative: bool = False):
         embeds, pooled = (cond.neg_embeds, cond.neg_pooled) if negative else (cond.embeds, cond.pooled)
         return transformer(
-            hidden_states=latents, timestep=sigmas.float() * 1000, encoder_hidden_states=embeds, pooled_projections=pooled, return_dict=False
+            hidden_states=latents,
+            timestep=sigmas.float() * 1000,
+            encoder_hidden_states=embeds,
+            pooled_projections=pooled,
+            return_dict=False,
         )[0].float()
 
     def both_passes(self, transformer, latents, sigmas, cond: PromptEmbeds):

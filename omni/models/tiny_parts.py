@@ -136,7 +136,9 @@ def save_pipeline(pipe, out_dir: str | os.PathLike) -> Path:
     return write_directory(Path(out_dir), lambda tmp: pipe.save_pretrained(tmp, safe_serialization=True))
 
 
-def cached_checkpoint(cache_dir: str | os.PathLike, name: str, version: int, seed: int, write: Callable[[Path], Path]) -> Path:
+def cached_checkpoint(
+    cache_dir: str | os.PathLike, name: str, version: int, seed: int, write: Callable[[Path], Path]
+) -> Path:
     """Directory of the cached tiny checkpoint `name` ("sd3-tiny", ...) for `seed`, written by
     `write(path)` on first use. The builder `version` is part of the key, so a changed
     builder never reuses an older build."""

@@ -92,7 +92,9 @@ def wan_vae(seed: int):
     from diffusers import AutoencoderKLWan
 
     torch.manual_seed(seed)
-    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True])
+    vae = AutoencoderKLWan(
+        base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
     with torch.no_grad():
         vae.decoder.conv_out.weight.mul_(TINY_DECODER_GAIN)
     return vae
@@ -190,7 +192,9 @@ class WanFamily(ModelFamily):
         patch = json.loads((root / "transformer" / "config.json").read_text())["patch_size"]
         return int(vae.get("scale_factor_spatial") or 8) * int(patch[1])
 
-    def sequence_length(self, transformer_config: dict, resolution, max_sequence_length: int, num_frames: int = 81) -> int:
+    def sequence_length(
+        self, transformer_config: dict, resolution, max_sequence_length: int, num_frames: int = 81
+    ) -> int:
         """Video tokens a block's self-attention attends over (the text enters by cross-attention),
         for `num_frames` frames of `resolution` pixels square, or (height, width)."""
         spatial = 16 if transformer_config["in_channels"] == 48 else 8  # Wan2.2's 48-channel VAE has factor 16
@@ -208,7 +212,9 @@ class WanFamily(ModelFamily):
 
     def check_settings(self, transformer_config: dict, model, rollout) -> None:
         if model.vae_inversion_steps:
-            raise ValueError(f"model.vae_inversion_steps={model.vae_inversion_steps}: Wan's videos are encoded by its VAE's encoder (set 0)")
+            raise ValueError(
+                f"model.vae_inversion_steps={model.vae_inversion_steps}: Wan's videos are encoded by its VAE's encoder (set 0)"
+            )
         frames = rollout.num_frames
         if frames < 1 or (frames - 1) % TEMPORAL_FACTOR:
             raise ValueError(
@@ -228,7 +234,9 @@ class WanFamily(ModelFamily):
         return pipe
 
     # ----------------------------------------------------------------- sampling
-    def encode_prompts(self, pipe, prompts: List[str], guidance_scale: float, max_sequence_length: int, device) -> WanPromptEmbeds:
+    def encode_prompts(
+        self, pipe, prompts: List[str], guidance_scale: float, max_sequence_length: int, device
+    ) -> WanPromptEmbeds:
         """The prompts' (and under CFG, the negative prompt's) UMT5 states, zero-padded."""
         with torch.no_grad():
             embeds, neg = pipe.encode_prompt(
@@ -240,7 +248,9 @@ class WanFamily(ModelFamily):
             )
         return WanPromptEmbeds(embeds, neg)
 
-    def initial_latents(self, pipe, generators: Sequence[torch.Generator], resolution: int, num_frames: int = 1) -> torch.Tensor:
+    def initial_latents(
+        self, pipe, generators: Sequence[torch.Generator], resolution: int, num_frames: int = 1
+    ) -> torch.Tensor:
         """Noise (B, C, (F - 1) / 4 + 1, H / 8, W / 8), one clip per generator."""
         channels = pipe.transformer.config.in_channels
         frames = (num_frames - 1) // pipe.vae_scale_factor_temporal + 1
@@ -250,7 +260,9 @@ class WanFamily(ModelFamily):
     # Timesteps are sigma x 1000 in fp32, as the pipeline's scheduler gives them.
     def velocity_pass(self, transformer, latents, sigmas, cond: WanPromptEmbeds, negative: bool = False):
         embeds = cond.neg_embeds if negative else cond.embeds
-        return transformer(hidden_states=latents, timestep=sigmas.float() * 1000, encoder_hidden_states=embeds, return_dict=False)[0].float()
+        return transformer(
+            hidden_states=latents, timestep=sigmas.float() * 1000, encoder_hidden_states=embeds, return_dict=False
+        )[0].float()
 
     def both_passes(self, transformer, latents, sigmas, cond: WanPromptEmbeds):
         """The prompts and the negative prompt in one batch."""
@@ -312,5 +324,6 @@ def decode_clips(vae, latents: torch.Tensor) -> torch.Tensor:
     finally:
         vae.clear_cache()
     return torch.cat(chunks, 1)
+
 
 FAMILY = WanFamily()

@@ -25,7 +25,9 @@ def reward_options(name: str, raw, key: str = "reward.components") -> RewardOpti
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls.Options), raw or {}))
     except Exception as error:  # omegaconf's ValidationError / ConfigKeyError / MissingMandatoryValue
-        raise ValueError(f"{key}.{name}: {str(error).splitlines()[0]}; options of '{name}': {list(OmegaConf.structured(cls.Options))}") from None
+        raise ValueError(
+            f"{key}.{name}: {str(error).splitlines()[0]}; options of '{name}': {list(OmegaConf.structured(cls.Options))}"
+        ) from None
 
 
 class NonFiniteReward(ValueError):
@@ -62,12 +64,18 @@ class WeightedReward:
         parts = []
         for s in range(0, len(prompts), size):
             scores, details = reward.score_details(images[s : s + size].float().cpu(), prompts[s : s + size])
-            parts.append({reward.metric: scores.float(), **{f"{reward.metric}/{k}": v.float() for k, v in details.items()}})
+            parts.append(
+                {reward.metric: scores.float(), **{f"{reward.metric}/{k}": v.float() for k, v in details.items()}}
+            )
         return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
 
     def component_scores(self, images: torch.Tensor, prompts: List[str]) -> Dict[str, torch.Tensor]:
         """Each component's scores by its metric name (and its details), from calls of at most its batch size."""
-        return {key: values for reward in self.rewards.values() for key, values in self._score(reward, images, prompts).items()}
+        return {
+            key: values
+            for reward in self.rewards.values()
+            for key, values in self._score(reward, images, prompts).items()
+        }
 
     def combine(self, parts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """The `component_scores` of consecutive parts as one, with their weighted sum as "reward"."""
@@ -81,7 +89,9 @@ class WeightedReward:
         valid = torch.isfinite(scores["reward"])
         if self.nonfinite == "fail" and not valid.all():
             bad = {name: int((~torch.isfinite(scores[reward.metric])).sum()) for name, reward in self.rewards.items()}
-            named = ", ".join(f"'{n}'{self.rewards[n].source()} on {k} of {len(valid)} images" for n, k in bad.items() if k)
+            named = ", ".join(
+                f"'{n}'{self.rewards[n].source()} on {k} of {len(valid)} images" for n, k in bad.items() if k
+            )
             raise NonFiniteReward(
                 f"non-finite reward during {where}: {named or f'the weighted sum on {int((~valid).sum())} images'}; "
                 f"reward.nonfinite=drop leaves such images out instead"
@@ -93,4 +103,6 @@ class WeightedReward:
         rows [0, part), [part, 2 part), ... are scored separately, as a rollout's parts are
         (`omni.rewards.streaming`), so that a reward's batches are the same either way."""
         part = part or max(len(prompts), 1)
-        return self.combine([self.component_scores(images[s : s + part], prompts[s : s + part]) for s in range(0, len(prompts), part)])
+        return self.combine(
+            [self.component_scores(images[s : s + part], prompts[s : s + part]) for s in range(0, len(prompts), part)]
+        )

@@ -36,8 +36,14 @@ class AestheticHead(nn.Module):
     def __init__(self, embedding_size: int = 768):
         super().__init__()
         self.layers = nn.Sequential(
-            nn.Linear(embedding_size, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
-            nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1),
+            nn.Linear(embedding_size, 1024),
+            nn.Dropout(0.2),
+            nn.Linear(1024, 128),
+            nn.Dropout(0.2),
+            nn.Linear(128, 64),
+            nn.Dropout(0.1),
+            nn.Linear(64, 16),
+            nn.Linear(16, 1),
         )
 
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
@@ -61,7 +67,9 @@ def load_head(path: str, embedding_size: int, name: str = "aesthetic") -> Aesthe
     try:
         head.load_state_dict(state)
     except RuntimeError as error:
-        raise ValueError(f"head_path={path}: not an aesthetic head for {embedding_size}-d CLIP embeddings: {error}") from None
+        raise ValueError(
+            f"head_path={path}: not an aesthetic head for {embedding_size}-d CLIP embeddings: {error}"
+        ) from None
     return head
 
 

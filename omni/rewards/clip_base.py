@@ -23,7 +23,6 @@ from omni.rewards.protocol import to_uint8
 from omni.rewards.weights_files import check_weights_dir, load_error
 
 
-
 @dataclass
 class ClipOptions(RewardOptions):
     # Directory of the CLIP model (config.json + weights), as save_pretrained writes it.

@@ -28,8 +28,8 @@ import torch
 from omegaconf import MISSING
 from PIL import Image
 
-from omni.rewards.base import Reward, RewardOptions
 from omni.devices import DTYPES
+from omni.rewards.base import Reward, RewardOptions
 from omni.rewards.protocol import to_uint8
 from omni.rewards.weights_files import check_weights_file
 
@@ -74,7 +74,9 @@ def load_state(path: str, name: str = "hpsv2") -> dict:
     try:
         checkpoint = torch.load(Path(path).expanduser(), map_location="cpu", weights_only=True)
     except Exception as error:  # pickle, zip or weights-only errors: say which file
-        raise ValueError(f"reward.components.{name}.path={path}: reward '{name}' cannot read this HPS checkpoint with torch.load ({error})") from None
+        raise ValueError(
+            f"reward.components.{name}.path={path}: reward '{name}' cannot read this HPS checkpoint with torch.load ({error})"
+        ) from None
     state = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict):
         raise ValueError(f"path={path}: expected a state dict, or a dict with one under 'state_dict'")
@@ -87,7 +89,9 @@ class Hpsv2(Reward):
     @classmethod
     def check_options(cls, options: HpsOptions, key: str) -> None:
         if not Path(options.path).expanduser().is_file():
-            raise ValueError(f"{key}.path={options.path}: no such file (the HPS checkpoint, e.g. HPS_v2.1_compressed.pt)")
+            raise ValueError(
+                f"{key}.path={options.path}: no such file (the HPS checkpoint, e.g. HPS_v2.1_compressed.pt)"
+            )
         if options.architecture.endswith(".json") and not Path(options.architecture).expanduser().is_file():
             raise ValueError(f"{key}.architecture={options.architecture}: no such open_clip model config file")
         if options.dtype not in DTYPES:
@@ -102,7 +106,9 @@ class Hpsv2(Reward):
         try:
             model.load_state_dict(load_state(options.path, self.name))
         except RuntimeError as error:
-            raise ValueError(f"reward.components.{self.name}.path={options.path}: not an HPS checkpoint of {name}: {str(error)[:300]}") from None
+            raise ValueError(
+                f"reward.components.{self.name}.path={options.path}: not an HPS checkpoint of {name}: {str(error)[:300]}"
+            ) from None
         self.device = torch.device(options.device)
         self.model = model.to(self.device, DTYPES[options.dtype]).eval().requires_grad_(False)
         self.tokenizer = open_clip.get_tokenizer(name)

@@ -40,7 +40,11 @@ class HttpReward(Reward):
     @classmethod
     def prompt_problem(cls, options: HttpOptions, prompt: Any) -> Optional[str]:
         missing = [k for k in options.required_metadata if k not in getattr(prompt, "metadata", {})]
-        return f"metadata {missing} (reward.components.http.required_metadata; a JSONL prompt file has them)" if missing else None
+        return (
+            f"metadata {missing} (reward.components.http.required_metadata; a JSONL prompt file has them)"
+            if missing
+            else None
+        )
 
     def source(self) -> str:
         return served_by(self.options)
@@ -48,7 +52,12 @@ class HttpReward(Reward):
     def setup(self) -> None:
         self.client = RetryingClient(self.name, self.options, f"reward.components.{self.name}")
         health = self.client.request("GET", "/health", lambda body: body)
-        logger.info("reward '%s': server at %s serves %s", self.name, self.options.url, health.get("reward") if isinstance(health, dict) else health)
+        logger.info(
+            "reward '%s': server at %s serves %s",
+            self.name,
+            self.options.url,
+            health.get("reward") if isinstance(health, dict) else health,
+        )
 
     def teardown(self) -> None:
         if getattr(self, "client", None) is not None:
@@ -56,7 +65,9 @@ class HttpReward(Reward):
             self.client = None
 
     def score(self, images, prompts):
-        return self.client.request("POST", "/score", lambda body: parse_scores(body, len(prompts)), json=score_request(images, prompts))
+        return self.client.request(
+            "POST", "/score", lambda body: parse_scores(body, len(prompts)), json=score_request(images, prompts)
+        )
 
 
 REWARD = HttpReward

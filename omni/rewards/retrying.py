@@ -69,7 +69,9 @@ class RetryingClient:
         except retrying.RetriesExhausted as error:
             raise RewardUnavailable(f"reward '{self.name}': {error}") from None
         except retrying.RefusedRequest as error:
-            raise RewardUnavailable(f"reward '{self.name}': {method} {self.url}{route}: the server refused the request: {error}") from None
+            raise RewardUnavailable(
+                f"reward '{self.name}': {method} {self.url}{route}: the server refused the request: {error}"
+            ) from None
 
 
 def read_json(parse: Callable[[Any], Any], response) -> Any:

@@ -163,7 +163,9 @@ def coverage(image: torch.Tensor, color: torch.Tensor, window: torch.Tensor) -> 
     """How much of each pixel (H, W) of `window` an object of colour `color` (3,) covers, if
     pixels mix it with the background grey: the projection of pixel - grey on colour - grey."""
     direction = color - BACKGROUND
-    share = torch.einsum("chw,c->hw", image - BACKGROUND[:, None, None], direction) / direction.square().sum().clamp_min(1e-6)
+    share = torch.einsum(
+        "chw,c->hw", image - BACKGROUND[:, None, None], direction
+    ) / direction.square().sum().clamp_min(1e-6)
     return share.clamp(0, 1) * window
 
 
@@ -206,7 +208,9 @@ def detect(images: torch.Tensor, options: Optional[SceneGenevalOptions] = None) 
             region = label == value
             if options.min_area * pixels <= region.sum() <= options.max_area * pixels:
                 objects.append(describe(image, region, region & inner))
-        found.append([o for o in objects if o["shape_fit"] <= options.shape_fit and o["color_fit"] <= options.color_fit])
+        found.append(
+            [o for o in objects if o["shape_fit"] <= options.shape_fit and o["color_fit"] <= options.color_fit]
+        )
     return found
 
 
@@ -249,7 +253,9 @@ class SceneGeneval(Reward):
         if not 0 < options.foreground < 3**0.5:
             raise ValueError(f"{key}.foreground={options.foreground} must lie between 0 and sqrt(3) (an RGB distance)")
         if not 0 <= options.min_area < options.max_area <= 1:
-            raise ValueError(f"{key}: min_area={options.min_area} and max_area={options.max_area} are shares of the image, 0 <= min_area < max_area <= 1")
+            raise ValueError(
+                f"{key}: min_area={options.min_area} and max_area={options.max_area} are shares of the image, 0 <= min_area < max_area <= 1"
+            )
 
     @classmethod
     def prompt_problem(cls, options: SceneGenevalOptions, prompt: Any) -> Optional[str]:

@@ -83,10 +83,14 @@ def reward_from_overrides(overrides: Sequence[str]) -> WeightedReward:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. reward=pickscore reward.components.pickscore.path=...")
+    parser.add_argument(
+        "overrides", nargs="*", help="config overrides, e.g. reward=pickscore reward.components.pickscore.path=..."
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from hydra.errors import HydraException

@@ -39,7 +39,9 @@ class VlmJudgeOptions(RemoteOptions):
     # The served model's name, as the API lists it.
     model: str = MISSING
     # The question asked with each image; {prompt} becomes the image's prompt.
-    question: str = 'Rate from 0 to 10 how well this image matches the description "{prompt}". Answer with the number only.'
+    question: str = (
+        'Rate from 0 to 10 how well this image matches the description "{prompt}". Answer with the number only.'
+    )
     # A regular expression whose first group is the score in the answer.
     score_pattern: str = r"(-?\d+(?:\.\d+)?)"
     # The score is the parsed number divided by this.
@@ -72,7 +74,9 @@ class VlmJudge(Reward):
         try:
             options.question.format(prompt="")
         except (KeyError, IndexError, ValueError) as error:
-            raise ValueError(f"{key}.question: only {{prompt}} may be a placeholder ({error!r}); write {{{{ }}}} for a brace") from None
+            raise ValueError(
+                f"{key}.question: only {{prompt}} may be a placeholder ({error!r}); write {{{{ }}}} for a brace"
+            ) from None
         try:
             groups = re.compile(options.score_pattern).groups
         except re.error as error:
@@ -133,7 +137,12 @@ class VlmJudge(Reward):
             self.unparseable += len(failed)
             logger.warning(
                 "reward '%s': %d of %d answers held no score (%d in this run; their images are non-finite, "
-                "see reward.nonfinite); first: %r", self.name, len(failed), len(judged), self.unparseable, failed[0][:200],
+                "see reward.nonfinite); first: %r",
+                self.name,
+                len(failed),
+                len(judged),
+                self.unparseable,
+                failed[0][:200],
             )
         return torch.tensor([score for score, _ in judged], dtype=torch.float32)
 

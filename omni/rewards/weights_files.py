@@ -36,7 +36,11 @@ def _safetensors_problem(path: Path) -> Optional[str]:
             header = json.loads(stream.read(length))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             return f"its header is not JSON ({error})"
-    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry]
+    ends = [
+        entry["data_offsets"][1]
+        for name, entry in header.items()
+        if name != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry
+    ]
     expected = 8 + length + max(ends, default=0)
     if expected != size:
         return f"its tensors end at byte {expected}, the file has {size}: {'truncated' if size < expected else 'trailing bytes'}"
@@ -75,7 +79,9 @@ def check_weights_file(path, key: str, name: str) -> None:
     path = Path(path).expanduser()
     problem = weights_problem(path)
     if problem:
-        raise ValueError(f"{key}={path}: reward '{name}' cannot use this weights file: {problem}; copy or download it again")
+        raise ValueError(
+            f"{key}={path}: reward '{name}' cannot use this weights file: {problem}; copy or download it again"
+        )
 
 
 def check_weights_dir(directory, key: str, name: str) -> None:
@@ -84,9 +90,13 @@ def check_weights_dir(directory, key: str, name: str) -> None:
     for path in sorted(p for p in directory.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()):
         problem = weights_problem(path)
         if problem:
-            raise ValueError(f"{key}={directory}: reward '{name}' cannot use its weights file {path}: {problem}; copy or download it again")
+            raise ValueError(
+                f"{key}={directory}: reward '{name}' cannot use its weights file {path}: {problem}; copy or download it again"
+            )
 
 
 def load_error(path, key: str, name: str, error: Exception) -> ValueError:
     """A library's failure to read the weights at `path`, as an error naming reward and file."""
-    return ValueError(f"{key}={path}: reward '{name}' cannot read this weights file ({type(error).__name__}: {str(error)[:300]})")
+    return ValueError(
+        f"{key}={path}: reward '{name}' cannot read this weights file ({type(error).__name__}: {str(error)[:300]})"
+    )

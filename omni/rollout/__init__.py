@@ -18,7 +18,11 @@ def build_engine(cfg, family: ModelFamily, model_path: str, device: torch.device
     """The engine named by `rollout.engine`: sampling with `actor`, the trained transformer,
     when given (an in-process engine only), else holding its own copy of the model."""
     build = ENGINES.get(engine_name(cfg))
-    return build(cfg, family, model_path, device, dtype) if actor is None else build(cfg, family, model_path, device, dtype, actor=actor)
+    return (
+        build(cfg, family, model_path, device, dtype)
+        if actor is None
+        else build(cfg, family, model_path, device, dtype, actor=actor)
+    )
 
 
 def engine_name(cfg) -> str:

@@ -76,7 +76,9 @@ class RolloutBatch:
             sigmas=first.sigmas,
             cond=type(first.cond).cat([p.cond for p in parts]),
             options=first.options,
-            uncond_velocities=None if any(p.uncond_velocities is None for p in parts) else torch.cat([p.uncond_velocities for p in parts]),
+            uncond_velocities=None
+            if any(p.uncond_velocities is None for p in parts)
+            else torch.cat([p.uncond_velocities for p in parts]),
         )
 
 
@@ -88,7 +90,9 @@ class RolloutEngine(Protocol):
 
     def generate(self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions) -> RolloutBatch: ...
 
-    def encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> Conditioning: ...
+    def encode_prompts(
+        self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int
+    ) -> Conditioning: ...
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor: ...
 

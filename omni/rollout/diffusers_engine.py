@@ -14,15 +14,14 @@ sampling forwards run without collectives (and workers need not run them in lock
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
-
 import contextlib
+from typing import Dict, Optional, Sequence
 
 import torch
 
 from omni.config.algorithm import CFGGradient
-from omni.config.rollout import RolloutConfig
 from omni.config.model import LoraConfig
+from omni.config.rollout import RolloutConfig
 from omni.models.base import Conditioning, ModelFamily
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.sampling import PromptCache, sample_rollout
@@ -98,7 +97,9 @@ class DiffusersEngine:
         """Images in [0, 1] -> the transformer's latents."""
         return self.family.encode_images(self.pipe, images, self.device, self.vae_inversion_steps)
 
-    def update_weights(self, named_tensors: Dict[str, torch.Tensor], base_sync_done: bool, lora: Optional[LoraConfig]) -> None:
+    def update_weights(
+        self, named_tensors: Dict[str, torch.Tensor], base_sync_done: bool, lora: Optional[LoraConfig]
+    ) -> None:
         """Base weights (base_sync_done False) or the LoRA of `lora.adapter_name`."""
         if self.shares_actor:
             raise RuntimeError("the engine samples with the actor's transformer: there is nothing to sync")
@@ -151,7 +152,16 @@ def load_diffusers_engine(
     of the right shape that the first weight sync fills."""
     pipe = family.load_pipeline(model_path, dtype, load_base, without_transformer=actor is not None)
     return DiffusersEngine(
-        family, pipe, device, dtype, micro_batch_size, load_base, actor, offload_text_encoders, vae_inversion_steps, keep_uncond
+        family,
+        pipe,
+        device,
+        dtype,
+        micro_batch_size,
+        load_base,
+        actor,
+        offload_text_encoders,
+        vae_inversion_steps,
+        keep_uncond,
     )
 
 
@@ -164,12 +174,22 @@ def can_share_actor(cfg) -> bool:
     return cfg.trainer.n_workers == 1 or cfg.model.fsdp.version in (None, 0, 2)
 
 
-def build(cfg, family: ModelFamily, model_path: str, device: torch.device, dtype: torch.dtype, actor=None) -> DiffusersEngine:
+def build(
+    cfg, family: ModelFamily, model_path: str, device: torch.device, dtype: torch.dtype, actor=None
+) -> DiffusersEngine:
     """`rollout.engine=diffusers`. With `algorithm.cfg_gradient=conditional` the update
     takes the rollout's unconditional velocities for its first optimizer step."""
     rollout = cfg.rollout
     conditional = getattr(cfg.algorithm, "cfg_gradient", None) == CFGGradient.conditional
     return load_diffusers_engine(
-        family, model_path, device, dtype, rollout.micro_batch_size, rollout.load_base, actor, rollout.offload_text_encoders,
-        cfg.model.vae_inversion_steps, keep_uncond=conditional,
+        family,
+        model_path,
+        device,
+        dtype,
+        rollout.micro_batch_size,
+        rollout.load_base,
+        actor,
+        rollout.offload_text_encoders,
+        cfg.model.vae_inversion_steps,
+        keep_uncond=conditional,
     )

@@ -18,8 +18,8 @@ from typing import Any, Dict, Tuple
 import torch
 
 from omni import retrying
-from omni.rollout.vllm_options import VllmOptions
 from omni.rollout.transport import unpack
+from omni.rollout.vllm_options import VllmOptions
 
 # What a proxy (or a server restarting behind one) answers; our server never does.
 PROXY_FAILURES = (502, 503, 504)
@@ -35,8 +35,13 @@ class EngineUnreachable(ConnectionError):
 
 def retry_policy(options: VllmOptions, timeout_s: float = None) -> retrying.RetryPolicy:
     return retrying.RetryPolicy(
-        "rollout.options", options.request_timeout if timeout_s is None else timeout_s, options.retries, options.backoff_s,
-        options.max_backoff_s, timeout_name="request_timeout", retry_read_timeouts=False,
+        "rollout.options",
+        options.request_timeout if timeout_s is None else timeout_s,
+        options.retries,
+        options.backoff_s,
+        options.max_backoff_s,
+        timeout_name="request_timeout",
+        retry_read_timeouts=False,
     )
 
 
@@ -57,7 +62,9 @@ class EngineClient:
     def close(self) -> None:
         self.http.close()
 
-    def post(self, route: str, body: bytes, retry: bool = True, timeout: float = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    def post(
+        self, route: str, body: bytes, retry: bool = True, timeout: float = None
+    ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
         """POST a packed message to /route; the unpacked answer."""
 
         def read(response):

@@ -79,9 +79,20 @@ def openapi_extra(route: str, media_type: str) -> Dict[str, Any]:
     blob = {"schema": {"type": "string", "format": "binary"}, "x-omni-json-metadata": model.model_json_schema()}
     doc = f"a safetensors blob (omni.rollout.transport.pack); its metadata's JSON object is a {model.__name__}: {model.__doc__.strip()}"
     answer = ANSWERS.get(route)
-    responses = {"200": {"description": f"a safetensors blob{f'; its JSON is a {answer.__name__}' if answer else ''}",
-                         "content": {media_type: {"schema": {"type": "string", "format": "binary"},
-                                                  **({"x-omni-json-metadata": answer.model_json_schema()} if answer else {})}}},
-                 "422": {"description": "the JSON does not fit the model (the fields are named)"},
-                 "500": {"description": "the backend failed: its traceback, as text"}}
-    return {"requestBody": {"required": True, "description": doc, "content": {media_type: blob}}, "responses": responses}
+    responses = {
+        "200": {
+            "description": f"a safetensors blob{f'; its JSON is a {answer.__name__}' if answer else ''}",
+            "content": {
+                media_type: {
+                    "schema": {"type": "string", "format": "binary"},
+                    **({"x-omni-json-metadata": answer.model_json_schema()} if answer else {}),
+                }
+            },
+        },
+        "422": {"description": "the JSON does not fit the model (the fields are named)"},
+        "500": {"description": "the backend failed: its traceback, as text"},
+    }
+    return {
+        "requestBody": {"required": True, "description": doc, "content": {media_type: blob}},
+        "responses": responses,
+    }

@@ -140,7 +140,9 @@ def native_problem(python: str, family: str) -> Optional[str]:
         return problem
     repo = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
-    done = subprocess.run([python, "-m", "omni.rollout.native_support", family], capture_output=True, text=True, env=env)
+    done = subprocess.run(
+        [python, "-m", "omni.rollout.native_support", family], capture_output=True, text=True, env=env
+    )
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         return f"rollout.options.backend=native: checking vLLM-Omni with {python} failed: {' | '.join(tail)}"

@@ -49,7 +49,9 @@ class PromptCache:
         self.encoded = 0  # prompts the text encoders have run on (for tests and logs)
 
     def encoders(self):
-        return [getattr(self.pipe, name) for name in self.family.text_encoders if getattr(self.pipe, name, None) is not None]
+        return [
+            getattr(self.pipe, name) for name in self.family.text_encoders if getattr(self.pipe, name, None) is not None
+        ]
 
     def place_encoders(self) -> None:
         """Put the text encoders where they stay between encodings."""
@@ -75,7 +77,9 @@ class PromptCache:
         missing = [k for k in dict.fromkeys(keys) if k not in self.rows]
         if missing:
             with self._encoders_on_device():
-                new = self.family.encode_prompts(self.pipe, [k[0] for k in missing], guidance_scale, max_sequence_length, self.device)
+                new = self.family.encode_prompts(
+                    self.pipe, [k[0] for k in missing], guidance_scale, max_sequence_length, self.device
+                )
             self.encoded += len(missing)
             for i, key in enumerate(missing):
                 self.rows[key] = new.apply(lambda t: t[i : i + 1].cpu())
@@ -88,7 +92,12 @@ class PromptCache:
 
 
 def rollout_step(
-    velocity: torch.Tensor, x: torch.Tensor, sigmas: torch.Tensor, i: int, options: SamplingOptions, ode: ODESolver,
+    velocity: torch.Tensor,
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    i: int,
+    options: SamplingOptions,
+    ode: ODESolver,
     draw: Callable[[], torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Step `i` of a rollout from the fp32 latent `x` with the fp32 `velocity`: (the next
@@ -111,7 +120,14 @@ def rollout_step(
 
 @torch.no_grad()
 def sample_trajectories(
-    family: ModelFamily, pipe, cond: Conditioning, seeds: Sequence[int], sigmas: torch.Tensor, options: SamplingOptions, device, dtype,
+    family: ModelFamily,
+    pipe,
+    cond: Conditioning,
+    seeds: Sequence[int],
+    sigmas: torch.Tensor,
+    options: SamplingOptions,
+    device,
+    dtype,
     keep_uncond: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """One micro-batch: (latents (B, T+1, ...), log_probs (B, T), images (B, 3, H, W) or clips
@@ -123,7 +139,9 @@ def sample_trajectories(
     generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
 
     def draw() -> torch.Tensor:
-        return family.initial_latents(pipe, generators, options.resolution, options.num_frames).to(device, torch.float32)
+        return family.initial_latents(pipe, generators, options.resolution, options.num_frames).to(
+            device, torch.float32
+        )
 
     x = draw()
     trajectory, log_probs, unconds = [x], [], []
@@ -156,7 +174,9 @@ def rescore_log_probs(family: ModelFamily, transformer, batch: RolloutBatch, dty
     start, stop = opts.sde_steps
     for i in range(start, stop):
         x = batch.latents[:, i].to(device)
-        velocity = family.predict_velocity(transformer, x.to(dtype), batch.sigmas[i].expand(len(x)).to(device), cond, opts.guidance_scale)
+        velocity = family.predict_velocity(
+            transformer, x.to(dtype), batch.sigmas[i].expand(len(x)).to(device), cond, opts.guidance_scale
+        )
         _, log_prob, _, _ = sde_step(
             velocity, x, batch.sigmas[i], batch.sigmas[i + 1], float(batch.sigmas[1]), opts.noise_level,
             next_sample=batch.latents[:, i + 1].to(device), sde_type=opts.sde_type,
@@ -205,4 +225,6 @@ def sample_rollout(
     ]
     latents, log_probs, images = (torch.cat(parts) for parts in list(zip(*chunks))[:3])
     uncond = torch.cat([chunk[3] for chunk in chunks]) if keep_uncond else None
-    return RolloutBatch(list(prompts), images, latents, log_probs, sigmas, cond.apply(lambda t: t.cpu()), options, uncond)
+    return RolloutBatch(
+        list(prompts), images, latents, log_probs, sigmas, cond.apply(lambda t: t.cpu()), options, uncond
+    )

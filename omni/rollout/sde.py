@@ -83,7 +83,9 @@ def sde_step(velocity, sample, sigma, sigma_next, sigma_max, noise_level, noise=
         mean, scale = sde_mean_and_scale(velocity, sample, sigma, sigma_next, sigma_max, noise_level)
     elif sde_type == "cps":
         if bool((torch.as_tensor(sigma_next) <= 0).any()):
-            raise ValueError("a coefficients-preserving step to sigma 0 has no noise and no log-probability; it is an ODE step")
+            raise ValueError(
+                "a coefficients-preserving step to sigma 0 has no noise and no log-probability; it is an ODE step"
+            )
         mean, scale = cps_mean_and_scale(velocity, sample, sigma, sigma_next, noise_level)
     else:
         raise ValueError(f"sde_type {sde_type!r}: expected sde or cps")

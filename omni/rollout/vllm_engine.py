@@ -30,11 +30,11 @@ from omegaconf import OmegaConf
 import omni
 from omni.config.errors import ConfigError, require
 from omni.config.model import LoraConfig
-from omni.rollout.vllm_options import VllmBackend, VllmOptions, VllmRolloutConfig
 from omni.models.base import Conditioning, ModelFamily
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.engine_client import EngineClient, EngineUnreachable, retry_policy
 from omni.rollout.transport import pack, write_base_weights, write_lora_adapter
+from omni.rollout.vllm_options import VllmBackend, VllmOptions, VllmRolloutConfig
 from omni.rollout.vllm_protocol import batch_from_tensors
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,14 @@ def build(cfg, family: ModelFamily, model_path: str, device: torch.device, dtype
     """`rollout.engine=vllm`."""
     rollout = cfg.rollout
     return VllmEngine.start(
-        family, vllm_options(rollout.options), model_path, device, dtype, rollout.micro_batch_size, rollout.load_base, cfg.output_dir,
+        family,
+        vllm_options(rollout.options),
+        model_path,
+        device,
+        dtype,
+        rollout.micro_batch_size,
+        rollout.load_base,
+        cfg.output_dir,
         cfg.model.vae_inversion_steps,
     )
 
@@ -151,7 +158,11 @@ def engine_unavailable(options: VllmOptions, family: Optional[str] = None) -> Op
     if problem:
         return problem
     if options.url:
-        return None if options.url.startswith(("http://", "https://")) else f"rollout.options.url={options.url}: expected http://host:port"
+        return (
+            None
+            if options.url.startswith(("http://", "https://"))
+            else f"rollout.options.url={options.url}: expected http://host:port"
+        )
     python = engine_python(options)
     if python is None:
         return f"no vLLM-Omni engine environment found. {INSTALL_HINT}"
@@ -184,7 +195,14 @@ class VllmEngine:
 
     shares_actor = False  # a process of its own: it always holds its own copy
 
-    def __init__(self, options: VllmOptions, family: ModelFamily, url: str, shared_dir: Path, process: Optional[subprocess.Popen] = None):
+    def __init__(
+        self,
+        options: VllmOptions,
+        family: ModelFamily,
+        url: str,
+        shared_dir: Path,
+        process: Optional[subprocess.Popen] = None,
+    ):
         self.options, self.url, self.process = options, url, process
         self.client = EngineClient(url, options)
         self.conditioning = family.conditioning
@@ -214,8 +232,16 @@ class VllmEngine:
     # ----------------------------------------------------------------- start / attach
     @classmethod
     def start(
-        cls, family: ModelFamily, options: VllmOptions, model_path: str, device: torch.device, dtype: torch.dtype,
-        micro_batch_size: int, load_base: bool, run_dir: Path, vae_inversion_steps: int = 0,
+        cls,
+        family: ModelFamily,
+        options: VllmOptions,
+        model_path: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        micro_batch_size: int,
+        load_base: bool,
+        run_dir: Path,
+        vae_inversion_steps: int = 0,
     ) -> "VllmEngine":
         """Attach to `options.url`, or start an engine process for `model_path`."""
         shared_dir = Path(options.shared_dir or Path(run_dir) / "vllm_engine") / f"worker-{os.getpid()}"
@@ -227,7 +253,17 @@ class VllmEngine:
         problem = engine_unavailable(options, family.name)
         if problem:
             raise RuntimeError(problem)
-        url, process = _launch(options, family.name, model_path, device, dtype, micro_batch_size, load_base, shared_dir, vae_inversion_steps)
+        url, process = _launch(
+            options,
+            family.name,
+            model_path,
+            device,
+            dtype,
+            micro_batch_size,
+            load_base,
+            shared_dir,
+            vae_inversion_steps,
+        )
         return cls(options, family, url, shared_dir, process)
 
     # ----------------------------------------------------------------- rollout
@@ -248,7 +284,9 @@ class VllmEngine:
         return tensors["latents"]
 
     # ----------------------------------------------------------------- weights
-    def update_weights(self, named_tensors: Dict[str, torch.Tensor], base_sync_done: bool, lora: Optional[LoraConfig]) -> None:
+    def update_weights(
+        self, named_tensors: Dict[str, torch.Tensor], base_sync_done: bool, lora: Optional[LoraConfig]
+    ) -> None:
         """Base weights (base_sync_done False) or the LoRA of `lora.adapter_name`, written
         to the shared directory and loaded by the engine before this returns."""
         if base_sync_done and not self.has_base:
@@ -281,13 +319,40 @@ class VllmEngine:
             self._last_sync = None
 
 
-def _launch(options, family: str, model_path, device, dtype, micro_batch_size, load_base, shared_dir: Path, vae_inversion_steps: int = 0):
+def _launch(
+    options,
+    family: str,
+    model_path,
+    device,
+    dtype,
+    micro_batch_size,
+    load_base,
+    shared_dir: Path,
+    vae_inversion_steps: int = 0,
+):
     """Start `omni.rollout.vllm_server` with the engine env's python; wait until it answers."""
     from omni.distributed import free_port
 
     port = free_port()
-    command = [engine_python(options), "-m", "omni.rollout.vllm_server", "--model", str(model_path), "--family", family, "--port", str(port)]
-    command += ["--dtype", str(dtype).removeprefix("torch."), "--max-num-seqs", str(micro_batch_size), "--backend", options.backend]
+    command = [
+        engine_python(options),
+        "-m",
+        "omni.rollout.vllm_server",
+        "--model",
+        str(model_path),
+        "--family",
+        family,
+        "--port",
+        str(port),
+    ]
+    command += [
+        "--dtype",
+        str(dtype).removeprefix("torch."),
+        "--max-num-seqs",
+        str(micro_batch_size),
+        "--backend",
+        options.backend,
+    ]
     command += ["--device", device.type, "--engine-args", json.dumps(dict(options.engine_args)), "--exit-with-parent"]
     command += [] if load_base else ["--no-load-base"]
     command += ["--vae-inversion-steps", str(vae_inversion_steps)]
@@ -295,7 +360,9 @@ def _launch(options, family: str, model_path, device, dtype, micro_batch_size, l
     log = shared_dir / "engine.log"
     with open(log, "ab") as out:
         # its own session, so that stopping it stops vLLM-Omni's worker processes too
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_engine_env(device), start_new_session=True)
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=_engine_env(device), start_new_session=True
+        )
     atexit.register(_stop_process, process, 0.0)
     url = f"http://127.0.0.1:{port}"
     _wait_until_healthy(url, process, log, options)
@@ -309,7 +376,9 @@ def _wait_until_healthy(url: str, process: subprocess.Popen, log: Path, options:
     while time.monotonic() < deadline:
         if process.poll() is not None:
             tail = log.read_text(errors="replace")[-4000:]
-            raise RuntimeError(f"the vLLM-Omni engine exited with code {process.returncode} while starting; {log}:\n{tail}")
+            raise RuntimeError(
+                f"the vLLM-Omni engine exited with code {process.returncode} while starting; {log}:\n{tail}"
+            )
         try:
             client.health(retry=False, timeout=5)  # this loop is the retry
             client.close()
@@ -318,7 +387,9 @@ def _wait_until_healthy(url: str, process: subprocess.Popen, log: Path, options:
             time.sleep(1.0)
     client.close()
     _stop_process(process)
-    raise TimeoutError(f"the vLLM-Omni engine did not answer {url}/health within {timeout:.0f} s (rollout.options.startup_timeout); see {log}")
+    raise TimeoutError(
+        f"the vLLM-Omni engine did not answer {url}/health within {timeout:.0f} s (rollout.options.startup_timeout); see {log}"
+    )
 
 
 def _stop_process(process: subprocess.Popen, grace: float = 30.0) -> None:

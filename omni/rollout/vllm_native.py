@@ -97,7 +97,9 @@ def load_native_base(module: torch.nn.Module, family: str, tensors: Dict[str, to
     check_complete(family, mapped.values(), targets)
     packed = [n for n, t in targets.items() if t.numel() == 0]
     if packed:
-        raise RuntimeError(f"vLLM-Omni's {family} transformer holds {packed[:3]}... in a packed form a sync cannot write")
+        raise RuntimeError(
+            f"vLLM-Omni's {family} transformer holds {packed[:3]}... in a packed form a sync cannot write"
+        )
     for name, (target, shard) in mapped.items():
         param = targets[target]
         loader = getattr(param, "weight_loader", None)
@@ -171,7 +173,9 @@ class NativeRollout:
         vLLM-Omni's LoRA manager instead: the worker extension's `omni_add_lora`)."""
         kind, tensors, _ = read_weights(path)
         if kind != "base":
-            raise ValueError(f"{path}: a {kind} sync; the native backend loads LoRA adapters with vLLM-Omni's LoRA manager")
+            raise ValueError(
+                f"{path}: a {kind} sync; the native backend loads LoRA adapters with vLLM-Omni's LoRA manager"
+            )
         count = load_native_base(self.transformer, self.family_name, tensors)
         self.has_base = True
         return {"kind": kind, "tensors": count, "has_base": True}
@@ -231,7 +235,9 @@ class NativeRollout:
         config = json.loads((Path(lora_path) / LORA_CONFIG_FILE).read_text())
         config["target_modules"] = [native_module(self.family_name, m) for m in config["target_modules"]]
         helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": None})
-        tensors = {native_module(self.family_name, k): v for k, v in load_file(str(Path(lora_path) / LORA_FILE)).items()}
+        tensors = {
+            native_module(self.family_name, k): v for k, v in load_file(str(Path(lora_path) / LORA_FILE)).items()
+        }
         return LoRAModel.from_lora_tensors(lora_request.lora_int_id, tensors, helper, device="cpu", dtype=dtype), helper
 
     # ----------------------------------------------------------------- encoding

@@ -51,7 +51,12 @@ class FlowGRPOPipeline(torch.nn.Module):
             raise ValueError("custom_pipeline_args needs 'family' (model.family), e.g. {'family': 'sd3'}")
         family = get_family(args["family"])
         self.engine = load_diffusers_engine(
-            family, od_config.model, torch.device("cpu"), od_config.dtype, micro_batch_size=1, load_base=args.get("load_base", True),
+            family,
+            od_config.model,
+            torch.device("cpu"),
+            od_config.dtype,
+            micro_batch_size=1,
+            load_base=args.get("load_base", True),
             vae_inversion_steps=args.get("vae_inversion_steps", 0),
         )
         pipe = self.engine.pipe

@@ -170,6 +170,10 @@ def batch_to_tensors(batch: RolloutBatch) -> Dict[str, torch.Tensor]:
     return tensors
 
 
-def batch_from_tensors(prompts: Sequence[str], tensors: Dict[str, torch.Tensor], options: SamplingOptions, conditioning: type) -> RolloutBatch:
+def batch_from_tensors(
+    prompts: Sequence[str], tensors: Dict[str, torch.Tensor], options: SamplingOptions, conditioning: type
+) -> RolloutBatch:
     cond: Conditioning = conditioning.from_tensors(tensors)
-    return RolloutBatch(list(prompts), tensors["images"], tensors["latents"], tensors["log_probs"], tensors["sigmas"], cond, options)
+    return RolloutBatch(
+        list(prompts), tensors["images"], tensors["latents"], tensors["log_probs"], tensors["sigmas"], cond, options
+    )

@@ -59,7 +59,11 @@ class LocalBackend:
     `max_num_seqs`; its answers go through the formatter's mapping (`emulate_request_output`)."""
 
     def __init__(self, args):
-        pipeline_args = {"family": args.family, "load_base": args.load_base, "vae_inversion_steps": args.vae_inversion_steps}
+        pipeline_args = {
+            "family": args.family,
+            "load_base": args.load_base,
+            "vae_inversion_steps": args.vae_inversion_steps,
+        }
         od_config = SimpleNamespace(model=args.model, dtype=DTYPES[args.dtype], custom_pipeline_args=pipeline_args)
         self.pipeline = FlowGRPOPipeline(od_config=od_config).to(args.device)
         self.conditioning = get_family(args.family).conditioning
@@ -111,7 +115,9 @@ def engine_kwargs(args) -> Dict[str, Any]:
 
     ours = dict(
         custom_pipeline_args={
-            "pipeline_class": pipeline_class(args.backend, args.family), "family": args.family, "load_base": args.load_base,
+            "pipeline_class": pipeline_class(args.backend, args.family),
+            "family": args.family,
+            "load_base": args.load_base,
             "vae_inversion_steps": args.vae_inversion_steps,
         },
         worker_extension_cls=WORKER_EXTENSION_CLASS,
@@ -187,7 +193,9 @@ class VllmOmniBackend:
         answers without our fields) is an error naming the method and the directory."""
         answer = self._rpc(method, *args, path)
         if not isinstance(answer, dict) or "has_base" not in answer:
-            raise RuntimeError(f"vLLM-Omni's worker failed {method} on {path} (it answered {answer!r}); its traceback is in the engine log")
+            raise RuntimeError(
+                f"vLLM-Omni's worker failed {method} on {path} (it answered {answer!r}); its traceback is in the engine log"
+            )
         return answer
 
     def encode_prompts(self, prompts, guidance_scale, max_sequence_length) -> Conditioning:
@@ -252,7 +260,9 @@ def handle(backend, route: str, tensors: Dict[str, torch.Tensor], meta: Dict[str
     if route == "update_weights":
         return pack(meta=backend.sync_weights(request.path))
     if route == "encode_prompts":
-        return pack(backend.encode_prompts(request.prompts, request.guidance_scale, request.max_sequence_length).tensors())
+        return pack(
+            backend.encode_prompts(request.prompts, request.guidance_scale, request.max_sequence_length).tensors()
+        )
     if "images" not in tensors:
         raise ValueError("/encode_images: the body has no tensor 'images'")
     return pack({"latents": backend.encode_images(tensors["images"])})
@@ -265,9 +275,8 @@ def build_app(backend, info: Dict[str, Any], stop: threading.Event):
     rollout (one batch, two policies). /health reads `has_base` as the last call left it, so
     it answers at once even during an hour-long /generate."""
     fastapi, _ = import_server("the rollout engine's server")
-    from starlette.background import BackgroundTask
-
     from pydantic import ValidationError
+    from starlette.background import BackgroundTask
 
     from omni.rollout.engine_schemas import REQUESTS, EngineHealth, openapi_extra
 
@@ -299,7 +308,11 @@ def build_app(backend, info: Dict[str, Any], stop: threading.Event):
                 return fastapi.Response(await one_at_a_time(call, route, body), media_type=BLOB)
             except ValidationError as error:  # the request's JSON does not fit its model: refused, named
                 fields = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors())
-                return fastapi.Response(f"/{route}: the message's JSON does not fit {error.title} ({fields})", status_code=422, media_type="text/plain")
+                return fastapi.Response(
+                    f"/{route}: the message's JSON does not fit {error.title} ({fields})",
+                    status_code=422,
+                    media_type="text/plain",
+                )
             except Exception:  # the driver shows the engine's traceback
                 logger.exception("/%s failed", route)
                 return fastapi.Response(traceback.format_exc(), status_code=500, media_type="text/plain")
@@ -320,7 +333,12 @@ def parse_args(argv=None):
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--no-load-base", dest="load_base", action="store_false", help="start with a dummy transformer")
-    parser.add_argument("--vae-inversion-steps", type=int, default=0, help="encode images by inverting the VAE's decoder (model.vae_inversion_steps)")
+    parser.add_argument(
+        "--vae-inversion-steps",
+        type=int,
+        default=0,
+        help="encode images by inverting the VAE's decoder (model.vae_inversion_steps)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=16, help="images per pipeline forward")
     parser.add_argument("--backend", default="vllm", choices=("vllm", "native", "local"))
     parser.add_argument("--device", default="cpu", help="local backend only (vLLM-Omni places its worker itself)")
@@ -351,7 +369,9 @@ def main(argv=None) -> None:
     if args.exit_with_parent:
         stop_when_parent_dies(stop)
     info = {"model": args.model, "family": args.family, "backend": args.backend}
-    config = uvicorn.Config(build_app(backend, info, stop), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        build_app(backend, info, stop), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="http", daemon=True)
     thread.start()

@@ -46,14 +46,18 @@ class OmniRolloutWorkerExtension(CustomPipelineWorkerExtension):
         if not self._rollout_pipeline().has_base:
             raise RuntimeError("the engine got LoRA weights before any base weights; sync the base first")
         if getattr(self, "lora_manager", None) is None:
-            raise RuntimeError("vLLM-Omni's worker has no LoRA manager (its lora_backend is not the default): cannot load LoRA syncs")
+            raise RuntimeError(
+                "vLLM-Omni's worker has no LoRA manager (its lora_backend is not the default): cannot load LoRA syncs"
+            )
         self.add_lora(native_lora_request(name, adapter_id, path))
         return {"kind": "lora", "adapter_id": adapter_id, "has_base": True}
 
     def omni_has_base(self) -> bool:
         return self._rollout_pipeline().has_base
 
-    def omni_encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> Dict[str, torch.Tensor]:
+    def omni_encode_prompts(
+        self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int
+    ) -> Dict[str, torch.Tensor]:
         cond = self._rollout_pipeline().encode_prompts(list(prompts), guidance_scale, max_sequence_length)
         return cond.tensors()
 

@@ -23,13 +23,12 @@ from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
-from omni.rollout import shares_actor
 from omni.devices import torch_dtype
 from omni.distributed import destroy_process_group, init_process_group, pick_device
 from omni.fsdp_utils import collect_lora_params, state_nbytes
 from omni.models import get_family
 from omni.models.base import Conditioning
-from omni.rollout import build_engine
+from omni.rollout import build_engine, shares_actor
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.weights import add_lora_adapter, module_lora_names
 from omni.workers.sharding import average_gradients, clip_grad_norm, wrap_fsdp
@@ -52,7 +51,13 @@ def adapters_disabled(module: torch.nn.Module):
 
 class ActorRolloutWorker:
     def __init__(
-        self, cfg, model_path: str, rank: int = 0, world_size: int = 1, local_rank: int = 0, keep_reference: bool = False
+        self,
+        cfg,
+        model_path: str,
+        rank: int = 0,
+        world_size: int = 1,
+        local_rank: int = 0,
+        keep_reference: bool = False,
     ):
         """`rank` and `world_size` place the worker in the actor's process group;
         `local_rank` is its device index on its machine. `keep_reference`: the algorithm
@@ -163,7 +168,9 @@ class ActorRolloutWorker:
                 f"LoRA does not match adapter '{adapter}': missing {sorted(expected - set(lora))[:5]}, "
                 f"unexpected {sorted(set(lora) - expected)[:5]}"
             )
-        set_model_state_dict(self.actor, module_lora_names(lora, adapter), options=StateDictOptions(full_state_dict=True, strict=False))
+        set_model_state_dict(
+            self.actor, module_lora_names(lora, adapter), options=StateDictOptions(full_state_dict=True, strict=False)
+        )
         if sync:
             self.sync_weights()
 
@@ -183,7 +190,9 @@ class ActorRolloutWorker:
             self.load_transformer(weights)
         else:
             self.load_adapter(weights, sync=False)
-        set_optimizer_state_dict(self.actor, self.optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(
+            self.actor, self.optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True)
+        )
         self.sync_weights()
 
     # ----------------------------------------------------------------- rollout
@@ -203,7 +212,13 @@ class ActorRolloutWorker:
         return tensor.to(self.device, torch.float32)
 
     def velocity(
-        self, latents, sigmas, cond: Conditioning, guidance_scale: float, reference: bool = False, uncond_grad: bool = True,
+        self,
+        latents,
+        sigmas,
+        cond: Conditioning,
+        guidance_scale: float,
+        reference: bool = False,
+        uncond_grad: bool = True,
         uncond: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """The actor's velocity (with gradients; under CFG through the unconditional pass

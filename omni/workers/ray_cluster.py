@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-
 from omni.workers.errors import ResourcesUnavailable
 
 
@@ -70,7 +69,8 @@ def disconnect(connected: bool) -> None:
 
 def _node_summary(nodes: List[dict]) -> str:
     return ", ".join(
-        f"{n['NodeManagerAddress']}: {n['Resources'].get('CPU', 0):g} CPU, {n['Resources'].get('GPU', 0):g} GPU" for n in nodes
+        f"{n['NodeManagerAddress']}: {n['Resources'].get('CPU', 0):g} CPU, {n['Resources'].get('GPU', 0):g} GPU"
+        for n in nodes
     )
 
 
@@ -104,7 +104,10 @@ def reserve(layout: WorkerLayout, timeout_s: float) -> list:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    groups = [placement_group([dict(layout.bundle) for _ in range(n)], strategy="STRICT_PACK") for n in layout.workers_per_node]
+    groups = [
+        placement_group([dict(layout.bundle) for _ in range(n)], strategy="STRICT_PACK")
+        for n in layout.workers_per_node
+    ]
     ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout_s)
     if len(ready) == len(groups):
         return by_node_address(groups)

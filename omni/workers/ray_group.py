@@ -24,12 +24,12 @@ from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, Execute, register
 from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup, SubRayResourcePool
 
+import omni.workers.ray_cluster as ray_cluster
 from omni.models.base import Conditioning
 from omni.rollout.base import RolloutBatch, SamplingOptions
-import omni.workers.ray_cluster as ray_cluster
-from omni.workers.errors import WorkerFailure
 from omni.workers.actor_rollout import ActorRolloutWorker
 from omni.workers.batching import equal_shards, mean_metrics, split_evenly
+from omni.workers.errors import WorkerFailure
 
 # Tests only: "<rank>:<n>" makes that worker's process exit during its n-th update.
 CRASH_HOOK_ENV = "OMNI_TEST_CRASH_WORKER_AT_UPDATE"
@@ -221,7 +221,10 @@ class ActorRolloutGroup:
 
     def sync_weights(self) -> Dict[str, float]:
         per_worker = self._gather("sync_weights", self.workers.sync_weights())
-        return {"sync/seconds": max(m["sync/seconds"] for m in per_worker), "sync/megabytes": per_worker[0]["sync/megabytes"]}
+        return {
+            "sync/seconds": max(m["sync/seconds"] for m in per_worker),
+            "sync/megabytes": per_worker[0]["sync/megabytes"],
+        }
 
     def set_lr(self, lr: float) -> float:
         return self._gather("set_lr", self.workers.set_lr(lr))[0]

@@ -33,7 +33,11 @@ def block_names(module: nn.Module, layer_prefixes: Sequence[str]) -> List[str]:
 
 
 def wrap_fsdp(
-    module: nn.Module, version: int, layer_prefixes: Sequence[str], device: torch.device, dtype: torch.dtype = torch.float32
+    module: nn.Module,
+    version: int,
+    layer_prefixes: Sequence[str],
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """`module` on `device`, unwrapped (version 0) or sharded per block; `dtype` is the
     compute dtype (the frozen base's)."""
@@ -52,7 +56,9 @@ def wrap_fsdp(
             auto_wrap_policy=policy,
             use_orig_params=True,  # frozen base and trainable LoRA share units
             device_id=device,  # also on CPU: without it FSDP1 looks for an accelerator
-            mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype) if mixed else None,
+            mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype)
+            if mixed
+            else None,
         )
     if version == 2:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -12,7 +12,9 @@ def worker(tiny_cache, tmp_path_factory):
     from omni.trainer import model_path
     from omni.workers.actor_rollout import ActorRolloutWorker
 
-    cfg = validate(compose_config([f"model.cache_dir={tiny_cache}", "trainer.micro_batch_size=64"], tmp_path_factory.mktemp("run")))
+    cfg = validate(
+        compose_config([f"model.cache_dir={tiny_cache}", "trainer.micro_batch_size=64"], tmp_path_factory.mktemp("run"))
+    )
     worker = ActorRolloutWorker(cfg, model_path(cfg.model))
     worker.setup()
     yield worker

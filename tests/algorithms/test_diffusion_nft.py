@@ -21,7 +21,9 @@ def test_implicit_policies_hand_computed():
 def test_normalised_error_hand_computed():
     """x_t = 1, t = 0.5, v = (1, 4): x0_hat = (0.5, -1); x0 = 0, so the errors are (0.5, -1),
     their mean absolute value 0.75, and the loss (0.25 + 1) / 0.75 / 2."""
-    error = nft.normalised_x0_error(torch.tensor([[1.0, 4.0]]), torch.ones(1, 2), torch.tensor([0.5]), torch.zeros(1, 2))
+    error = nft.normalised_x0_error(
+        torch.tensor([[1.0, 4.0]]), torch.ones(1, 2), torch.tensor([0.5]), torch.zeros(1, 2)
+    )
     assert math.isclose(error.item(), 1.25 / 0.75 / 2, rel_tol=1e-6)
 
 
@@ -32,7 +34,9 @@ def test_loss_and_its_gradient_at_the_rollout_policy():
     0 at r = 1/2 (a neutral image does not move the policy)."""
     for r, expected_grad in ((1.0, -5.0), (0.0, 5.0), (0.5, 0.0)):
         v = torch.ones(1, 1, requires_grad=True)
-        loss, _, _ = nft.nft_loss(v, torch.ones(1, 1), torch.ones(1, 1), torch.tensor([0.5]), torch.zeros(1, 1), torch.tensor([r]), 0.5, 5.0)
+        loss, _, _ = nft.nft_loss(
+            v, torch.ones(1, 1), torch.ones(1, 1), torch.tensor([0.5]), torch.zeros(1, 1), torch.tensor([r]), 0.5, 5.0
+        )
         loss.backward()
         assert math.isclose(loss.item(), 5.0, rel_tol=1e-6)
         assert math.isclose(v.grad.item(), expected_grad, abs_tol=1e-6), r
@@ -54,7 +58,12 @@ def test_update_moves_good_images_clean_estimate_closer(fresh, monkeypatch):
         clean = nft_batch.clean.repeat_interleave(k, 0)
         noisy = nft.noisy_latents(clean, noise.reshape(n * k, *clean.shape[1:]), sigmas.reshape(-1))
         with torch.no_grad():
-            v = fresh.velocity(noisy, sigmas.reshape(-1), nft_batch.cond.apply(lambda t: t.repeat_interleave(k, 0)), nft_batch.guidance_scale)
+            v = fresh.velocity(
+                noisy,
+                sigmas.reshape(-1),
+                nft_batch.cond.apply(lambda t: t.repeat_interleave(k, 0)),
+                nft_batch.guidance_scale,
+            )
         return ((noisy - sigmas.reshape(-1, 1, 1, 1) * v - clean) ** 2).mean(dim=(1, 2, 3)).reshape(n, k).mean(1)
 
     before = errors()

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from omni.algorithms import dpo
-from omni.validation import validate
-from omni.data.pair_loader import split_positions
 from omni.algorithms.online_dpo import best_and_worst
+from omni.data.pair_loader import split_positions
 from omni.trainer import Trainer
+from omni.validation import validate
 from tests.conftest import compose_config
 
 
@@ -20,10 +20,21 @@ def offline_trainer(request, tiny_cache, synthetic_pairs, tmp_path):
     packed latents, Qwen-Image's by its 3-D VAE's encoder). A few decoder-inversion steps for
     the others: telling pairs apart needs no faithful latents."""
     encoding = [] if request.param == "qwen_image_tiny" else ["model.vae_inversion_steps=3"]
-    cfg = validate(compose_config(
-        [f"model={request.param}", f"model.cache_dir={tiny_cache}", "algorithm=dpo", "data=pairs", f"data.pairs={synthetic_pairs}",
-         "trainer.batch_size=16", "trainer.progress_bar=false", *encoding], tmp_path,
-    ))
+    cfg = validate(
+        compose_config(
+            [
+                f"model={request.param}",
+                f"model.cache_dir={tiny_cache}",
+                "algorithm=dpo",
+                "data=pairs",
+                f"data.pairs={synthetic_pairs}",
+                "trainer.batch_size=16",
+                "trainer.progress_bar=false",
+                *encoding,
+            ],
+            tmp_path,
+        )
+    )
     trainer = Trainer(cfg)
     trainer.setup()
     yield trainer
@@ -157,8 +168,14 @@ def test_held_out_pairs_are_capped_and_the_train_split_kept(tiny_cache, tmp_path
     from omni.data.synthetic_pairs import write_synthetic_pairs
 
     pairs = write_synthetic_pairs(tmp_path / "pairs", 60, resolution=8, seed=0)
-    base = [f"model.cache_dir={tiny_cache}", "algorithm=dpo", "data=pairs", f"data.pairs={pairs}", "data.latent_cache=null",
-            "data.pairs_eval_fraction=0.5"]
+    base = [
+        f"model.cache_dir={tiny_cache}",
+        "algorithm=dpo",
+        "data=pairs",
+        f"data.pairs={pairs}",
+        "data.latent_cache=null",
+        "data.pairs_eval_fraction=0.5",
+    ]
     assert compose_config(base).data.pairs_eval_max == 256
     capped = PairData(validate(compose_config([*base, "data.pairs_eval_max=8"], tmp_path)))
     whole = PairData(validate(compose_config([*base, "data.pairs_eval_max=null"], tmp_path)))

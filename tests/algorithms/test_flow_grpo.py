@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from omni.algorithms.flow_grpo import (
+    ScoredSteps,
     clip_advantages,
     clipped_policy_loss,
-    ScoredSteps,
     gaussian_step_kl,
     group_advantages,
     masked_group_advantages,

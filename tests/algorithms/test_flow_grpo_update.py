@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from omni.algorithms import flow_grpo
-from omni.validation import validate
 from omni.context import step_seeds
 from omni.trainer import Trainer
+from omni.validation import validate
 from tests.conftest import compose_config, training_options
 from tests.workers.test_actor_rollout import rescore
 
@@ -147,7 +147,12 @@ def test_gradient_checkpointing_gives_the_same_gradients(fresh, tiny_cache, tmp_
     from omni.trainer import model_path
     from omni.workers.actor_rollout import ActorRolloutWorker
 
-    cfg = validate(compose_config([f"model.cache_dir={tiny_cache}", "trainer.micro_batch_size=64", "model.gradient_checkpointing=true"], tmp_path))
+    cfg = validate(
+        compose_config(
+            [f"model.cache_dir={tiny_cache}", "trainer.micro_batch_size=64", "model.gradient_checkpointing=true"],
+            tmp_path,
+        )
+    )
     checkpointed = ActorRolloutWorker(cfg, model_path(cfg.model))
     checkpointed.setup()
     hooks = []
@@ -160,10 +165,14 @@ def test_gradient_checkpointing_gives_the_same_gradients(fresh, tiny_cache, tmp_
         batch = flow_grpo.GRPOBatch(rollout(fresh), torch.tensor([1.0, -1.0, 0.5, -0.5]))
         calls = {id(fresh): 0, id(checkpointed): 0}
         hooks = [
-            w.actor.transformer_blocks[0].register_forward_pre_hook(lambda *_, key=id(w): calls.__setitem__(key, calls[key] + 1))
+            w.actor.transformer_blocks[0].register_forward_pre_hook(
+                lambda *_, key=id(w): calls.__setitem__(key, calls[key] + 1)
+            )
             for w in (fresh, checkpointed)
         ]
-        for plain, recomputed in zip(gradients_of_one_update(fresh, batch), gradients_of_one_update(checkpointed, batch)):
+        for plain, recomputed in zip(
+            gradients_of_one_update(fresh, batch), gradients_of_one_update(checkpointed, batch)
+        ):
             assert plain.norm() > 0 and torch.allclose(plain, recomputed, rtol=1e-4, atol=1e-7)
         assert calls[id(checkpointed)] == 2 * calls[id(fresh)] > 0  # the backward recomputed the block
     finally:
@@ -185,7 +194,11 @@ def test_gradient_checkpointing_gives_the_same_gradients_per_family(model, conta
     workers = []
     try:
         for checkpointing in (False, True):
-            overrides = [f"model={model}", "trainer.micro_batch_size=64", f"model.gradient_checkpointing={checkpointing}"]
+            overrides = [
+                f"model={model}",
+                "trainer.micro_batch_size=64",
+                f"model.gradient_checkpointing={checkpointing}",
+            ]
             cfg = validate(compose_config([f"model.cache_dir={tiny_cache}", *overrides], tmp_path / str(checkpointing)))
             workers.append(ActorRolloutWorker(cfg, model_path(cfg.model)))
             workers[-1].setup()
@@ -200,7 +213,9 @@ def test_gradient_checkpointing_gives_the_same_gradients_per_family(model, conta
             for container in containers:
                 key = (id(w), container)
                 calls[key] = 0
-                getattr(w.actor, container)[0].register_forward_pre_hook(lambda *_, key=key: calls.__setitem__(key, calls[key] + 1))
+                getattr(w.actor, container)[0].register_forward_pre_hook(
+                    lambda *_, key=key: calls.__setitem__(key, calls[key] + 1)
+                )
         for a, b in zip(gradients_of_one_update(plain, batch), gradients_of_one_update(checkpointed, batch)):
             assert a.norm() > 0 and torch.allclose(a, b, rtol=1e-4, atol=1e-7)
         for container in containers:
@@ -256,10 +271,18 @@ def test_conditional_cfg_gradient_is_the_conditional_pass_alone(fresh):
 def test_conditional_cfg_gradient_needs_an_unconditional_pass(tiny_cache):
     from omni.validation import ConfigError
 
-    validate(compose_config([f"model.cache_dir={tiny_cache}", "algorithm.cfg_gradient=conditional", "rollout.guidance_scale=4.5"]))
+    validate(
+        compose_config(
+            [f"model.cache_dir={tiny_cache}", "algorithm.cfg_gradient=conditional", "rollout.guidance_scale=4.5"]
+        )
+    )
     for overrides in (["rollout.guidance_scale=1.0"], ["model=flux_tiny", "rollout.guidance_scale=3.5"]):
-        with pytest.raises(ConfigError, match="algorithm.cfg_gradient=conditional: model.family=.* runs no unconditional pass"):
-            validate(compose_config([f"model.cache_dir={tiny_cache}", "algorithm.cfg_gradient=conditional", *overrides]))
+        with pytest.raises(
+            ConfigError, match="algorithm.cfg_gradient=conditional: model.family=.* runs no unconditional pass"
+        ):
+            validate(
+                compose_config([f"model.cache_dir={tiny_cache}", "algorithm.cfg_gradient=conditional", *overrides])
+            )
 
 
 def gradients_of_stepping_update(worker, batch):
@@ -311,7 +334,9 @@ def test_the_first_optimizer_step_takes_the_rollouts_unconditional_velocities(fr
         assert (again - batch.uncond_velocities[1]).abs().max() < 1e-5
         advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
         reused = gradients_of_stepping_update(fresh, flow_grpo.GRPOBatch(batch, advantages))
-        recomputed = gradients_of_stepping_update(fresh, flow_grpo.GRPOBatch(replace(batch, uncond_velocities=None), advantages))
+        recomputed = gradients_of_stepping_update(
+            fresh, flow_grpo.GRPOBatch(replace(batch, uncond_velocities=None), advantages)
+        )
     finally:
         fresh.cfg.algorithm.cfg_gradient, fresh.engine.keep_uncond = "both", False
     assert len(reused) == len(recomputed) == 2

@@ -35,7 +35,9 @@ def test_scoring_overlaps_sampling_with_the_same_results(worker):
     reward = WeightedReward({"brightness": {"batch_size": 3}, "jpeg_compressibility": {}})
     during_sampling = []
     score = reward.rewards["brightness"].score
-    reward.rewards["brightness"].score = lambda images, prompts: during_sampling.append(noted.sampling.is_set()) or score(images, prompts)
+    reward.rewards["brightness"].score = lambda images, prompts: (
+        during_sampling.append(noted.sampling.is_set()) or score(images, prompts)
+    )
     ctx = StepContext(cfg, None, load_prompts("omni:colors_train"), [], reward, worker=noted)
     engine_batch, worker.engine.micro_batch_size = worker.engine.micro_batch_size, 2
     try:

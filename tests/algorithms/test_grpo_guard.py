@@ -40,7 +40,10 @@ def test_guarded_ratio_is_centred_on_one_at_every_noise_level():
     for s in (0.05, 0.5):
         eps = torch.randn(4000, 64, generator=generator)
         next_sample = s * eps
-        new, old = gaussian_log_prob(next_sample, delta, torch.tensor(s)), gaussian_log_prob(next_sample, torch.zeros(1, 64), torch.tensor(s))
+        new, old = (
+            gaussian_log_prob(next_sample, delta, torch.tensor(s)),
+            gaussian_log_prob(next_sample, torch.zeros(1, 64), torch.tensor(s)),
+        )
         assert math.isclose(float((new - old).mean()), -(0.05**2) / (2 * s**2), rel_tol=0.1)
         guarded = grpo_guard.guarded_log_ratio(new, old, delta.expand(4000, 64), torch.zeros(4000, 64), torch.tensor(s))
         assert abs(float(guarded.mean())) < 3 * float(guarded.std()) / math.sqrt(4000)

@@ -9,7 +9,13 @@ import torch
 from omni.algorithms import flow_grpo
 from tests.workers.test_actor_rollout import make_worker, randomise_lora, rescore, rollout
 
-WAN = ["model=wan_tiny", "reward=frame_brightness", "model.guidance_scale=2.0", "rollout.share_actor=false", "rollout.num_steps=4"]
+WAN = [
+    "model=wan_tiny",
+    "reward=frame_brightness",
+    "model.guidance_scale=2.0",
+    "rollout.share_actor=false",
+    "rollout.num_steps=4",
+]
 
 
 @pytest.mark.parametrize("algorithm", ["flow_grpo", "flow_grpo_fast"])

@@ -7,13 +7,21 @@ from omni.validation import ConfigError, validate
 from tests.conftest import compose_config
 
 BAD = {
-    "cps eta above 1": (["rollout.sde_type=cps", "rollout.noise_level=1.5"], ["rollout.noise_level", "rollout.sde_type=cps"]),
+    "cps eta above 1": (
+        ["rollout.sde_type=cps", "rollout.noise_level=1.5"],
+        ["rollout.noise_level", "rollout.sde_type=cps"],
+    ),
     "cps window on the last step": (
         ["rollout.sde_type=cps", "algorithm=flow_grpo_fast", "algorithm.sde_window_range=[0,8]"],
         ["algorithm.sde_window_range", "rollout.sde_type=cps"],
     ),
     "cps window too wide": (
-        ["rollout.sde_type=cps", "algorithm=flow_grpo_fast", "algorithm.sde_window_size=10", "algorithm.sde_window_range=null"],
+        [
+            "rollout.sde_type=cps",
+            "algorithm=flow_grpo_fast",
+            "algorithm.sde_window_size=10",
+            "algorithm.sde_window_range=null",
+        ],
         ["algorithm.sde_window_size", "rollout.sde_type=cps"],
     ),
     "unknown sde type": (["rollout.sde_type=ddim"], ["rollout.sde_type"]),
@@ -21,12 +29,22 @@ BAD = {
     "unknown kl type": (["algorithm.kl_type=score"], ["algorithm.kl_type"]),
     "ema decay of 1": (["trainer.ema_decay=1.0"], ["trainer.ema_decay=1.0", "(0, 1)"]),
     "ema decay of 0": (["trainer.ema_decay=0"], ["trainer.ema_decay=0", "(0, 1)"]),
-    "cps with diffusion_nft": (["algorithm=diffusion_nft", "rollout.sde_type=cps"], ["rollout.sde_type=cps", "algorithm=diffusion_nft"]),
-    "cfg with diffusion_nft": (["algorithm=diffusion_nft", "rollout.guidance_scale=4.5"], ["rollout.guidance_scale", "algorithm=diffusion_nft"]),
-    "mix_grpo window larger than the steps": (
-        ["algorithm=mix_grpo", "algorithm.sde_window_size=11"], ["algorithm.sde_window_size=11", "rollout.num_steps=10"]
+    "cps with diffusion_nft": (
+        ["algorithm=diffusion_nft", "rollout.sde_type=cps"],
+        ["rollout.sde_type=cps", "algorithm=diffusion_nft"],
     ),
-    "mix_grpo window with a range": (["algorithm=mix_grpo", "algorithm.sde_window_range=[0,2]"], ["algorithm.sde_window_range"]),
+    "cfg with diffusion_nft": (
+        ["algorithm=diffusion_nft", "rollout.guidance_scale=4.5"],
+        ["rollout.guidance_scale", "algorithm=diffusion_nft"],
+    ),
+    "mix_grpo window larger than the steps": (
+        ["algorithm=mix_grpo", "algorithm.sde_window_size=11"],
+        ["algorithm.sde_window_size=11", "rollout.num_steps=10"],
+    ),
+    "mix_grpo window with a range": (
+        ["algorithm=mix_grpo", "algorithm.sde_window_range=[0,2]"],
+        ["algorithm.sde_window_range"],
+    ),
     "dppo threshold": (["algorithm=flow_dppo", "algorithm.kl_mask_threshold=0"], ["algorithm.kl_mask_threshold"]),
     "dppo has no clip range": (["algorithm=flow_dppo", "algorithm.clip_range=0.1"], ["algorithm.clip_range"]),
 }

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from omni.rollout.vllm_options import VllmOptions
-from omni.validation import ConfigError, validate
 from omni.loggers import missing_backends
 from omni.models import get_family
 from omni.rollout.vllm_engine import engine_unavailable
+from omni.rollout.vllm_options import VllmOptions
+from omni.validation import ConfigError, validate
 from tests.conftest import CONF_DIR, compose_config
 
 GROUPS = ("model", "rollout", "algorithm", "reward", "data", "trainer", "logger")
@@ -24,7 +24,10 @@ REWARD_NEEDS = {
     "http": ["reward.components.http.url=http://127.0.0.1:8000"],
     "geneval": ["data=geneval", "reward.components.http.url=http://127.0.0.1:8000"],
     "scene_geneval": ["data=scenes"],
-    "vlm_judge": ["reward.components.vlm_judge.url=http://127.0.0.1:8000/v1", "reward.components.vlm_judge.model=judge"],
+    "vlm_judge": [
+        "reward.components.vlm_judge.url=http://127.0.0.1:8000/v1",
+        "reward.components.vlm_judge.model=judge",
+    ],
 }
 # A video model scores clips and a clip reward needs a video model (validation refuses mixing them).
 VIDEO_MODELS = ("wan", "wan_tiny")
@@ -53,11 +56,15 @@ def compose_and_validate(choice: dict, tiny_cache, synthetic_pairs, tmp_path):
     cfg = compose_config(overrides, tmp_path)
     if choice.get("reward") in LOCAL_MODEL_REWARDS:
         # a learned reward's checkpoint is a local directory the user names: the error says which key
-        with pytest.raises(ConfigError, match=f"reward.components.{choice['reward']}.path is mandatory and not set: pass"):
+        with pytest.raises(
+            ConfigError, match=f"reward.components.{choice['reward']}.path is mandatory and not set: pass"
+        ):
             validate(cfg)
         return None
     if cfg.model.tiny_seed is None:
-        cfg = compose_config(overrides + [f"model.path={get_family(cfg.model.family).tiny_path(tiny_cache, 0)}"], tmp_path)
+        cfg = compose_config(
+            overrides + [f"model.path={get_family(cfg.model.family).tiny_path(tiny_cache, 0)}"], tmp_path
+        )
     if choice.get("rollout") == "vllm" and engine_unavailable(VllmOptions()):
         # no vLLM-Omni engine env on this machine: the error says how to get one
         with pytest.raises(ConfigError, match="rollout=vllm: .*scripts/install_vllm_engine.sh"):
@@ -89,7 +96,9 @@ def model_algorithm_pairs():
     """The pair presets under omni/conf/model_algorithm/, as (model, algorithm) options."""
     pairs = []
     for name in options("model_algorithm"):
-        model = next(m for m in options("model") if name.startswith(m + "_") and name[len(m) + 1 :] in options("algorithm"))
+        model = next(
+            m for m in options("model") if name.startswith(m + "_") and name[len(m) + 1 :] in options("algorithm")
+        )
         pairs.append((model, name[len(model) + 1 :]))
     return pairs
 
@@ -162,12 +171,17 @@ def test_mix_grpo_flash_is_mix_grpo_with_the_dpm2_solver(tmp_path):
     assert flash == validate(compose_config(["algorithm=mix_grpo", "rollout.ode_solver=dpm2"], tmp_path))
     assert flash.rollout.ode_solver.value == "dpm2" and flash.algorithm.name == "mix_grpo" and flash.trainer.lr == 1e-2
     assert validate(compose_config(["algorithm=mix_grpo"], tmp_path)).rollout.ode_solver.value == "euler"
-    assert compose_config(["algorithm=mix_grpo_flash", "rollout.ode_solver=euler"], tmp_path).rollout.ode_solver == "euler"
+    assert (
+        compose_config(["algorithm=mix_grpo_flash", "rollout.ode_solver=euler"], tmp_path).rollout.ode_solver == "euler"
+    )
 
 
 def test_cfg_job_prints_the_composed_config():
     out = subprocess.run(
         [sys.executable, "recipes/train.py", "--cfg", "job", "algorithm=flow_grpo_fast", "reward=multi"],
-        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, check=True,
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert "sde_window_size: 2" in out and "jpeg_compressibility:" in out and "weight: 0.5" in out

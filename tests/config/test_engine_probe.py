@@ -6,9 +6,9 @@ import time
 
 import pytest
 
+from omni.distributed import free_port
 from omni.rollout.vllm_engine import ENGINE_PROBE_TIMEOUT_S
 from omni.validation import ConfigError, validate
-from omni.distributed import free_port
 from tests.conftest import compose_config
 from tests.servers import dropping_server, uvicorn_server
 
@@ -21,7 +21,9 @@ def refused_in_time(url, tiny_cache, tmp_path):
     start = time.monotonic()
     with pytest.raises(ConfigError) as info:
         validate(attached(url, tiny_cache, tmp_path))
-    assert time.monotonic() - start < ENGINE_PROBE_TIMEOUT_S + 30  # not request_timeout's hour (slack for a loaded runner)
+    assert (
+        time.monotonic() - start < ENGINE_PROBE_TIMEOUT_S + 30
+    )  # not request_timeout's hour (slack for a loaded runner)
     assert str(info.value).startswith(f"rollout.options.url={url}: no rollout engine answered GET /health")
     assert "(not retried)" in str(info.value)
     return str(info.value)

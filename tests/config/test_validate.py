@@ -14,7 +14,10 @@ BAD = [
     (["trainer.n_workers=3"], "trainer.n_workers"),
     (["rollout.resolution=72"], "rollout.resolution"),
     (["rollout.layered_summon=true", "rollout.load_base=false"], "rollout.layered_summon"),
-    (["rollout.share_actor=true", "trainer.n_workers=2", "model.fsdp.version=1"], "rollout.share_actor=true with model.fsdp.version=1"),
+    (
+        ["rollout.share_actor=true", "trainer.n_workers=2", "model.fsdp.version=1"],
+        "rollout.share_actor=true with model.fsdp.version=1",
+    ),
     (["model.fsdp.layer_prefixes=[single_transformer_blocks.]"], "model.fsdp.layer_prefixes"),
     (["model.fsdp.layer_prefixes=[]"], "model.fsdp.layer_prefixes"),
     (["model.fsdp.version=3"], "model.fsdp.version"),
@@ -23,10 +26,18 @@ BAD = [
     (["~reward.components.brightness"], "reward.components"),
     (["reward.components.brightness.weight=0"], "reward.components"),
     # weights that cancel out, and a NaN or inf weight, found here rather than at the first evaluation
-    (["reward=multi", "reward.components.brightness.weight=1", "reward.components.jpeg_compressibility.weight=-1"],
-     "reward.components: the weights sum to 0 (reward.components.brightness.weight=1.0 + reward.components.jpeg_compressibility.weight=-1.0)"),
-    (["reward.components.brightness.weight=nan"], "reward.components.brightness.weight=nan: a weight must be a finite number"),
-    (["reward=multi", "reward.components.jpeg_compressibility.weight=-inf"], "reward.components.jpeg_compressibility.weight=-inf"),
+    (
+        ["reward=multi", "reward.components.brightness.weight=1", "reward.components.jpeg_compressibility.weight=-1"],
+        "reward.components: the weights sum to 0 (reward.components.brightness.weight=1.0 + reward.components.jpeg_compressibility.weight=-1.0)",
+    ),
+    (
+        ["reward.components.brightness.weight=nan"],
+        "reward.components.brightness.weight=nan: a weight must be a finite number",
+    ),
+    (
+        ["reward=multi", "reward.components.jpeg_compressibility.weight=-inf"],
+        "reward.components.jpeg_compressibility.weight=-inf",
+    ),
     (["+reward.components.color={qualty: 3}"], "reward.components.color"),
     (["rollout.num_steps=1"], "rollout.num_steps"),
     (["algorithm=flow_grpo_fast", "algorithm.sde_window_size=20"], "algorithm.sde_window_size"),
@@ -49,7 +60,10 @@ BAD = [
     (["trainer.max_bad_steps=0"], "trainer.max_bad_steps"),
     (["trainer.warmup_steps=50"], "trainer.warmup_steps=50 must be in [0, trainer.steps=50)"),
     (["trainer.keep_last_checkpoints=0"], "trainer.keep_last_checkpoints=0 must be >= 1"),
-    (["model.lora.init_from=/nonexistent/lora"], "model.lora.init_from=/nonexistent/lora: /nonexistent/lora: no such LoRA file"),
+    (
+        ["model.lora.init_from=/nonexistent/lora"],
+        "model.lora.init_from=/nonexistent/lora: /nonexistent/lora: no such LoRA file",
+    ),
     (["trainer.resume=/nonexistent/ckpt"], "trainer.resume"),
     (["data.train=/nonexistent/prompts.txt"], "data.train"),
     (["data.eval=omni:no_such_set"], "data.eval"),
@@ -61,19 +75,32 @@ BAD = [
     (["trainer.device_memory_gib=0"], "trainer.device_memory_gib=0.0 must be at least 0.01"),
     (["algorithm=dpo", "data=pairs", "data.pairs=/nonexistent/pairs.jsonl"], "data.pairs=/nonexistent/pairs.jsonl"),
     (["algorithm=dpo", "data=pairs", "data.pairs=/tmp", "data.num_workers=-1"], "data.num_workers=-1"),
-    (["algorithm=dpo", "data=pairs", "data.pairs=/tmp", "data.latent_cache=/etc/passwd"], "data.latent_cache=/etc/passwd"),
+    (
+        ["algorithm=dpo", "data=pairs", "data.pairs=/tmp", "data.latent_cache=/etc/passwd"],
+        "data.latent_cache=/etc/passwd",
+    ),
     # full fine-tuning: every sync sends the whole transformer, which the layered walk does not
-    (["model.lora=null", "rollout.layered_summon=true", "rollout.load_base=false", "rollout.share_actor=false"],
-     "model.lora=null (full fine-tuning): the layered"),
-    (["model.lora=null", "rollout.layered_summon=true", "rollout.share_actor=false"], "rollout.layered_summon=true with model.lora=null"),
+    (
+        ["model.lora=null", "rollout.layered_summon=true", "rollout.load_base=false", "rollout.share_actor=false"],
+        "model.lora=null (full fine-tuning): the layered",
+    ),
+    (
+        ["model.lora=null", "rollout.layered_summon=true", "rollout.share_actor=false"],
+        "rollout.layered_summon=true with model.lora=null",
+    ),
     (["model.lora=null", "model.dtype=bfloat16"], "model.lora=null (full fine-tuning) with model.dtype=bfloat16"),
     (["model.lora=null", "trainer.ema_decay=0.9"], "trainer.ema_decay=0.9 with model.lora=null"),
     # a shared actor (the default with one in-process worker), LoRA or full fine-tuning: no own copy, no sync
     (["rollout.layered_summon=true"], "rollout.layered_summon=true with a shared actor (rollout.share_actor=null"),
-    (["model.lora=null", "rollout.layered_summon=true"],
-     "rollout.layered_summon=true with a shared actor (rollout.share_actor=null, shared where possible: rollout.engine=diffusers, "
-     "trainer.n_workers=1, model.lora=null (full fine-tuning))"),
-    (["model.lora=null", "rollout.share_actor=true", "rollout.layered_summon=true"], "rollout.layered_summon=true with a shared actor"),
+    (
+        ["model.lora=null", "rollout.layered_summon=true"],
+        "rollout.layered_summon=true with a shared actor (rollout.share_actor=null, shared where possible: rollout.engine=diffusers, "
+        "trainer.n_workers=1, model.lora=null (full fine-tuning))",
+    ),
+    (
+        ["model.lora=null", "rollout.share_actor=true", "rollout.layered_summon=true"],
+        "rollout.layered_summon=true with a shared actor",
+    ),
     (["rollout.load_base=false"], "rollout.load_base=false with a shared actor"),
     (["model.lora=null", "rollout.load_base=false"], "rollout.load_base=false with a shared actor"),
 ]
@@ -89,7 +116,10 @@ BAD_AT_COMPOSITION = [
     (["algorithm=dpo", "algorithm.sigma_sampling=normal"], "algorithm.sigma_sampling"),
     (["rollout.options.url=http://x"], "options"),
     (["reward.components.brightness.quality=3"], "quality"),
-    (["reward=multi", "reward.components.jpeg_compressibility.quality=high"], "reward.components.jpeg_compressibility.quality"),
+    (
+        ["reward=multi", "reward.components.jpeg_compressibility.quality=high"],
+        "reward.components.jpeg_compressibility.quality",
+    ),
 ]
 
 
@@ -121,7 +151,7 @@ def test_non_utf8_prompt_line_is_named(tmp_path, tiny_cache):
 def test_damaged_resume_directory_is_named_before_loading(tmp_path, tiny_cache):
     from omni import checkpoint
     from omni.models.sd3 import FAMILY
-    from omni.weights import lora_tensors, add_lora_adapter
+    from omni.weights import add_lora_adapter, lora_tensors
 
     cfg = validate(compose_config([f"model.cache_dir={tiny_cache}"]))
     transformer = FAMILY.load_transformer(FAMILY.tiny_path(tiny_cache, 0), torch.float32)
@@ -131,7 +161,9 @@ def test_damaged_resume_directory_is_named_before_loading(tmp_path, tiny_cache):
     validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.resume={saved}"]))
     with pytest.raises(ConfigError, match="trainer.resume=.*saved LoRA rank 8, configured 4 \\(model.lora.rank\\)"):
         validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.resume={saved}", "model.lora.rank=4"]))
-    with pytest.raises(ConfigError, match="trainer.resume=.*saved a LoRA, configured full fine-tuning \\(model.lora=null\\)"):
+    with pytest.raises(
+        ConfigError, match="trainer.resume=.*saved a LoRA, configured full fine-tuning \\(model.lora=null\\)"
+    ):
         validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.resume={saved}", "model.lora=null"]))
     (saved / checkpoint.STATE_FILE).write_bytes(b"\x80")
     with pytest.raises(ConfigError, match="step_000003/trainer_state.pt: unreadable trainer state"):
@@ -165,7 +197,11 @@ def test_validated_config_is_typed(tiny_cache):
     from omni.config.model import DType
     from omni.rewards.jpeg_compressibility import JpegOptions
 
-    cfg = validate(compose_config([f"model.cache_dir={tiny_cache}", "reward=multi", "reward.components.jpeg_compressibility.quality=80"]))
+    cfg = validate(
+        compose_config(
+            [f"model.cache_dir={tiny_cache}", "reward=multi", "reward.components.jpeg_compressibility.quality=80"]
+        )
+    )
     assert isinstance(cfg, TrainConfig) and cfg.model.dtype is DType.auto
     assert isinstance(cfg.reward.components["jpeg_compressibility"], JpegOptions)
     assert cfg.reward.components["jpeg_compressibility"].quality == 80
@@ -216,7 +252,9 @@ def test_flux_schnell_takes_no_guidance(tmp_path):
 
     schnell = write_tiny_flux(tmp_path / "schnell", guidance_embeds=False)
     real = ["model=flux", f"model.path={schnell}", "model.resolution=64", "model.max_sequence_length=16"]
-    with pytest.raises(ConfigError, match="rollout.guidance_scale=3.5: this FLUX transformer has no guidance embedding"):
+    with pytest.raises(
+        ConfigError, match="rollout.guidance_scale=3.5: this FLUX transformer has no guidance embedding"
+    ):
         validate(compose_config(real))
     assert validate(compose_config([*real, "model.guidance_scale=0"])).rollout.guidance_scale == 0
 
@@ -231,8 +269,14 @@ def test_flux_without_path_says_what_to_pass():
 QWEN_IMAGE_BAD = [
     (["rollout.resolution=72"], "rollout.resolution=72: this model takes multiples of 16"),
     (["model.max_sequence_length=2000"], "model.max_sequence_length=2000: Qwen-Image takes at most 1024"),
-    (["rollout=vllm", "rollout.options.backend=local"], "model.family=qwen_image is not yet served by the vLLM-Omni engine"),
-    (["model.vae_inversion_steps=10"], "model.vae_inversion_steps=10: Qwen-Image's images are encoded by its VAE's encoder"),
+    (
+        ["rollout=vllm", "rollout.options.backend=local"],
+        "model.family=qwen_image is not yet served by the vLLM-Omni engine",
+    ),
+    (
+        ["model.vae_inversion_steps=10"],
+        "model.vae_inversion_steps=10: Qwen-Image's images are encoded by its VAE's encoder",
+    ),
 ]
 
 
@@ -255,17 +299,35 @@ def test_qwen_image_without_path_says_what_to_pass():
 # for an image model, a resolution it cannot take, an engine that does not serve it
 WAN = ["model=wan_tiny", "reward=frame_brightness"]
 WAN_BAD = [
-    ([*WAN, "rollout.num_frames=6"], "rollout.num_frames=6: Wan's VAE takes 4k+1 frames (1, 5, 9, ..., 81); the nearest are 5 and 9"),
+    (
+        [*WAN, "rollout.num_frames=6"],
+        "rollout.num_frames=6: Wan's VAE takes 4k+1 frames (1, 5, 9, ..., 81); the nearest are 5 and 9",
+    ),
     ([*WAN, "rollout.num_frames=0"], "rollout.num_frames=0: Wan's VAE takes 4k+1 frames"),
     (["model=wan_tiny"], "reward.components.brightness scores images but model.family=wan makes videos"),
-    (["reward=temporal_consistency"], "reward.components.temporal_consistency scores videos but model.family=sd3 makes images"),
+    (
+        ["reward=temporal_consistency"],
+        "reward.components.temporal_consistency scores videos but model.family=sd3 makes images",
+    ),
     (["rollout.num_frames=5"], "rollout.num_frames=5: model.family=sd3 makes images (1 frame)"),
-    ([*WAN, "reward.components.frame_average.image=temporal_consistency"], "frame_average.image=temporal_consistency scores videos"),
-    ([*WAN, "reward.components.frame_average.image=jpeg_compressibility", "+reward.components.frame_average.image_options.qualty=3"],
-     "reward.components.frame_average.image_options.jpeg_compressibility"),
+    (
+        [*WAN, "reward.components.frame_average.image=temporal_consistency"],
+        "frame_average.image=temporal_consistency scores videos",
+    ),
+    (
+        [
+            *WAN,
+            "reward.components.frame_average.image=jpeg_compressibility",
+            "+reward.components.frame_average.image_options.qualty=3",
+        ],
+        "reward.components.frame_average.image_options.jpeg_compressibility",
+    ),
     ([*WAN, "rollout.resolution=40"], "rollout.resolution=40: this model takes multiples of 16"),
     ([*WAN, "rollout.fps=0"], "rollout.fps=0 must be positive"),
-    ([*WAN, "rollout=vllm", "rollout.options.backend=local"], "model.family=wan is not yet served by the vLLM-Omni engine"),
+    (
+        [*WAN, "rollout=vllm", "rollout.options.backend=local"],
+        "model.family=wan is not yet served by the vLLM-Omni engine",
+    ),
 ]
 
 
@@ -281,8 +343,14 @@ def test_bad_wan_config_says_what_it_takes(overrides, message, tmp_path, monkeyp
 
 def test_wan_frames_default_to_the_model_and_fps_to_its_rate(tmp_path):
     cfg = validate(compose_config([*WAN, f"model.cache_dir={tmp_path}"]))
-    assert (cfg.rollout.num_frames, cfg.rollout.fps, cfg.model.lora.target_modules) == (5, 16, ["to_q", "to_k", "to_v", "to_out.0"])
-    assert validate(compose_config([*WAN, f"model.cache_dir={tmp_path}", "rollout.num_frames=9"])).rollout.num_frames == 9
+    assert (cfg.rollout.num_frames, cfg.rollout.fps, cfg.model.lora.target_modules) == (
+        5,
+        16,
+        ["to_q", "to_k", "to_v", "to_out.0"],
+    )
+    assert (
+        validate(compose_config([*WAN, f"model.cache_dir={tmp_path}", "rollout.num_frames=9"])).rollout.num_frames == 9
+    )
     assert validate(compose_config([f"model.cache_dir={tmp_path}"])).rollout.num_frames == 1
 
 
@@ -293,8 +361,12 @@ def test_wan_two_expert_checkpoint_is_refused_with_the_reason(tmp_path, tiny_wan
     moe = tmp_path / "a14b"
     shutil.copytree(tiny_wan_dir, moe, ignore=shutil.ignore_patterns("*.safetensors"))
     index = json.loads((moe / "model_index.json").read_text())
-    (moe / "model_index.json").write_text(json.dumps({**index, "transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875}))
-    with pytest.raises(ConfigError, match="model.path=.*Mixture-of-Experts.*training both experts is not supported yet"):
+    (moe / "model_index.json").write_text(
+        json.dumps({**index, "transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875})
+    )
+    with pytest.raises(
+        ConfigError, match="model.path=.*Mixture-of-Experts.*training both experts is not supported yet"
+    ):
         validate(compose_config(["model=wan", f"model.path={moe}", "reward=frame_brightness"]))
 
 
@@ -314,9 +386,16 @@ def test_clip_above_the_device_memory_fails_before_any_model_loads(tmp_path, mon
     with pytest.raises(ConfigError) as info:
         run(compose_config([*clip, "trainer.device_memory_gib=0.01"], tmp_path / "run"))
     message = str(info.value)
-    needs = re.search(r"the run needs about ([0-9.]+) GiB per device, more than trainer.device_memory_gib=0.01 ", message)
+    needs = re.search(
+        r"the run needs about ([0-9.]+) GiB per device, more than trainer.device_memory_gib=0.01 ", message
+    )
     assert needs and float(needs.group(1)) > 0.01
-    for key in ("rollout.num_frames=81", "rollout.resolution=128", "trainer.micro_batch_size=8", "model.gradient_checkpointing=true"):
+    for key in (
+        "rollout.num_frames=81",
+        "rollout.resolution=128",
+        "trainer.micro_batch_size=8",
+        "model.gradient_checkpointing=true",
+    ):
         assert key in message
     validate(compose_config([*clip, "trainer.device_memory_gib=1"]))
     validate(compose_config([*clip, "trainer.micro_batch_size=2", "trainer.device_memory_gib=0.01"]))
@@ -324,7 +403,9 @@ def test_clip_above_the_device_memory_fails_before_any_model_loads(tmp_path, mon
 
 def test_image_above_the_device_memory_names_no_frames(tiny_cache):
     big = [f"model.cache_dir={tiny_cache}", "rollout.resolution=256"]
-    with pytest.raises(ConfigError, match=r"trainer.device_memory_gib=0.01 \(rollout.resolution=256, trainer.micro_batch_size=8") as info:
+    with pytest.raises(
+        ConfigError, match=r"trainer.device_memory_gib=0.01 \(rollout.resolution=256, trainer.micro_batch_size=8"
+    ) as info:
         validate(compose_config([*big, "trainer.device_memory_gib=0.01"]))
     assert "num_frames" not in str(info.value)
     validate(compose_config([*big, "trainer.device_memory_gib=1"]))

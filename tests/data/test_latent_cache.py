@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from omni.algorithms.dpo_pairs import PairData
-from omni.validation import validate
 from omni.data import latent_cache
 from omni.data.pair_loader import PairImages, collate_pairs
 from omni.data.synthetic_pairs import write_synthetic_pairs
 from omni.models import get_family
 from omni.rollout.diffusers_engine import load_diffusers_engine
+from omni.validation import validate
 from tests.conftest import compose_config
 from tests.data.damage import scramble_png_pixels, truncate
 
@@ -32,9 +32,18 @@ def engine(tiny_sd3_dir):
 
 
 def _cfg(tiny_cache, pairs, cache_dir, *overrides):
-    return validate(compose_config([
-        f"model.cache_dir={tiny_cache}", "algorithm=dpo", "data=pairs", f"data.pairs={pairs}", f"data.latent_cache={cache_dir}", *overrides,
-    ]))
+    return validate(
+        compose_config(
+            [
+                f"model.cache_dir={tiny_cache}",
+                "algorithm=dpo",
+                "data=pairs",
+                f"data.pairs={pairs}",
+                f"data.latent_cache={cache_dir}",
+                *overrides,
+            ]
+        )
+    )
 
 
 def _build(cfg, engine):
@@ -100,7 +109,9 @@ def test_interrupted_build_continues_after_whole_shards(tiny_cache, small_pairs,
     # as a build killed after its first shard leaves it
     for leftover in [cache / "manifest.json", cache / "rows.npy", *shards[1:]]:
         shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-    (cache / "building.json").write_text(json.dumps({"key": latent_cache.cache_key(cfg, PairData(cfg).source, get_family("sd3"), tiny_cache / "x")}))
+    (cache / "building.json").write_text(
+        json.dumps({"key": latent_cache.cache_key(cfg, PairData(cfg).source, get_family("sd3"), tiny_cache / "x")})
+    )
     with pytest.raises(ValueError, match="was made for another model or data"):  # a half-built cache of another model
         _build(cfg, engine)
     (cache / "building.json").unlink()
@@ -121,7 +132,9 @@ def test_pairs_that_do_not_decode_are_left_out_or_stop_the_run(tiny_cache, engin
     built = _build(_cfg(tiny_cache, jsonl, tmp_path / "lenient", "data.skip_bad_rows=true"), engine)
     assert built.stats["skipped_bad"] == 1
     assert built.cache.read(np.arange(6))[3].tolist() == [True, True, False, True, True, True]
-    with pytest.raises(ValueError, match=r"line 3: cannot read image.*built skipping 1 bad row.*data.skip_bad_rows=true"):
+    with pytest.raises(
+        ValueError, match=r"line 3: cannot read image.*built skipping 1 bad row.*data.skip_bad_rows=true"
+    ):
         PairData(_cfg(tiny_cache, jsonl, tmp_path / "lenient"))
 
 
@@ -134,7 +147,12 @@ def test_damaged_cache_is_named_with_how_to_rebuild(tiny_cache, small_pairs, eng
     cfg = _cfg(tiny_cache, small_pairs, cache)
     _build(cfg, engine)
     shard = next(cache.glob("shard_*"))
-    broken = {"manifest": cache / "manifest.json", "shard_file": shard / "chosen.npy", "shard_dir": shard, "rows": cache / "rows.npy"}[damage]
+    broken = {
+        "manifest": cache / "manifest.json",
+        "shard_file": shard / "chosen.npy",
+        "shard_dir": shard,
+        "rows": cache / "rows.npy",
+    }[damage]
     shutil.rmtree(broken) if broken.is_dir() else truncate(broken, 0.5)
     with pytest.raises(latent_cache.CacheDamaged) as raised:
         PairData(cfg)
@@ -142,7 +160,9 @@ def test_damaged_cache_is_named_with_how_to_rebuild(tiny_cache, small_pairs, eng
     assert f"rebuild the cache: remove {cache} and run again" in str(raised.value)
 
 
-def test_default_cache_is_shared_under_the_model_cache_when_encoding_inverts_the_decoder(tiny_cache, small_pairs, engine):
+def test_default_cache_is_shared_under_the_model_cache_when_encoding_inverts_the_decoder(
+    tiny_cache, small_pairs, engine
+):
     """data.latent_cache=auto (the default): the tiny models' pairs (100 decoder passes an
     image) are encoded once, into a directory under model.cache_dir named by the model and the
     data, that a later run opens without scanning; a real VAE's encoder streams."""

@@ -26,7 +26,9 @@ def both_layouts(tmp_path_factory):
     """The same 40 pairs as PNG files + JSONL and as 3 parquet shards of embedded bytes."""
     root = tmp_path_factory.mktemp("layouts")
     jsonl = write_synthetic_pairs(root / "files", N, resolution=16, seed=3)
-    shards = write_synthetic_pairs(root / "shards", N, resolution=16, seed=3, layout="parquet", shard_size=16, row_group_size=5)
+    shards = write_synthetic_pairs(
+        root / "shards", N, resolution=16, seed=3, layout="parquet", shard_size=16, row_group_size=5
+    )
     return jsonl, shards
 
 
@@ -67,11 +69,15 @@ def test_bad_row_in_a_shard_is_named_with_its_file(tmp_path):
 
     good = write_synthetic_pairs(tmp_path / "good", 4, resolution=8, layout="parquet", shard_size=4)
     table = pq.read_table(good / "pairs-00000.parquet")
-    broken = table.set_column(1, "chosen", pa.array([table["chosen"][0].as_py(), b"not an image", *table["chosen"][2:].to_pylist()]))
+    broken = table.set_column(
+        1, "chosen", pa.array([table["chosen"][0].as_py(), b"not an image", *table["chosen"][2:].to_pylist()])
+    )
     (tmp_path / "set").mkdir()
     pq.write_table(table, tmp_path / "set" / "a.parquet")
     pq.write_table(broken, tmp_path / "set" / "b.parquet")
-    with pytest.raises(ValueError, match=r"data.pairs=.*b.parquet, row 2: cannot read image the bytes in column 'chosen'"):
+    with pytest.raises(
+        ValueError, match=r"data.pairs=.*b.parquet, row 2: cannot read image the bytes in column 'chosen'"
+    ):
         scan(open_pair_source(tmp_path / "set"))
     found = scan(open_pair_source(tmp_path / "set"), skip_bad_rows=True)
     assert found.stats == {"rows": 8, "pairs": 7, "skipped_bad": 1, "skipped_ties": 0}
@@ -97,7 +103,9 @@ def test_worker_processes_give_the_driver_batches(both_layouts):
 def test_data_position_continues_the_in_memory_order():
     n_train, batch, seed = 11, 4, 5
     for step in range(6):  # the in-memory rule, over several epochs
-        assert batch_positions(step * batch, batch, n_train, seed) == items_for_step(list(range(n_train)), step, batch, seed)
+        assert batch_positions(step * batch, batch, n_train, seed) == items_for_step(
+            list(range(n_train)), step, batch, seed
+        )
     straight = [b for _, b in zip(range(5), TrainBatches(0, batch, n_train, seed))]
     resumed = [b for _, b in zip(range(3), TrainBatches(2 * batch, batch, n_train, seed))]
     assert resumed == straight[2:]
@@ -128,20 +136,27 @@ def test_truncated_image_bytes_in_a_shard_are_found_by_the_scan(tmp_path, image_
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    good = write_synthetic_pairs(tmp_path / "good", 4, resolution=32, layout="parquet", shard_size=4, image_format=image_format)
+    good = write_synthetic_pairs(
+        tmp_path / "good", 4, resolution=32, layout="parquet", shard_size=4, image_format=image_format
+    )
     table = pq.read_table(good / "pairs-00000.parquet")
     rejected = table["rejected"].to_pylist()
     rejected[2] = rejected[2][: len(rejected[2]) * 2 // 3]
     (tmp_path / "set").mkdir()
     pq.write_table(table.set_column(2, "rejected", pa.array(rejected)), tmp_path / "set" / "a.parquet")
-    with pytest.raises(ValueError, match=r"data.pairs=.*a.parquet, row 3: cannot read image the bytes in column .rejected.: [Tt]runcated"):
+    with pytest.raises(
+        ValueError,
+        match=r"data.pairs=.*a.parquet, row 3: cannot read image the bytes in column .rejected.: [Tt]runcated",
+    ):
         scan(open_pair_source(tmp_path / "set"))
     assert scan(open_pair_source(tmp_path / "set"), skip_bad_rows=True).good_rows.tolist() == [0, 1, 3]
 
 
 def test_truncated_arrow_file_of_a_saved_dataset_is_named(tmp_path):
     datasets = pytest.importorskip("datasets")
-    rows = [json.loads(line) for line in write_synthetic_pairs(tmp_path / "src", 6, resolution=8).read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in write_synthetic_pairs(tmp_path / "src", 6, resolution=8).read_text().splitlines()
+    ]
     for row in rows:
         row["chosen"], row["rejected"] = ((tmp_path / "src" / row[k]).read_bytes() for k in ("chosen", "rejected"))
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))

@@ -13,8 +13,8 @@ from PIL import Image
 
 from omni.data.pair_sources import load_preference_pairs
 from omni.data.preferences import PreferencePair, images_to_tensor
-from omni.data.synthetic_pairs import write_synthetic_pairs
 from omni.data.prompts import load_prompts
+from omni.data.synthetic_pairs import write_synthetic_pairs
 
 HAS_PYARROW = importlib.util.find_spec("pyarrow") is not None
 HAS_DATASETS = importlib.util.find_spec("datasets") is not None
@@ -115,7 +115,9 @@ def _bad_rows(tmp_path, images):
     }
 
 
-@pytest.mark.parametrize("case", ["missing image", "unreadable image", "bad label", "empty prompt", "missing column", "not json"])
+@pytest.mark.parametrize(
+    "case", ["missing image", "unreadable image", "bad label", "empty prompt", "missing column", "not json"]
+)
 def test_bad_row_names_file_and_line(tmp_path, images, case):
     good = {"prompt": "fine", "chosen": images["red"], "rejected": images["green"]}
     bad, reason = _bad_rows(tmp_path, images)[case]
@@ -174,12 +176,14 @@ def test_parquet_paths_bytes_and_structs(tmp_path, images):
     (pair,), _ = load_preference_pairs(tmp_path / "standard.parquet")
     assert pair.chosen.getpixel((0, 0)) == RED
 
-    pickapic = pa.table({
-        "caption": ["raw bytes", "structs", "bad"],
-        "jpg_0": [_png_bytes(RED), _png_bytes(RED), _png_bytes(RED)],
-        "jpg_1": [{"bytes": _png_bytes(BLUE), "path": None}] * 3,
-        "label_0": [1.0, 0.0, 0.25],
-    })
+    pickapic = pa.table(
+        {
+            "caption": ["raw bytes", "structs", "bad"],
+            "jpg_0": [_png_bytes(RED), _png_bytes(RED), _png_bytes(RED)],
+            "jpg_1": [{"bytes": _png_bytes(BLUE), "path": None}] * 3,
+            "label_0": [1.0, 0.0, 0.25],
+        }
+    )
     pq.write_table(pickapic, tmp_path / "pap.parquet")
     with pytest.raises(ValueError, match="pap.parquet, row 3: label_0 is 0.25"):
         load_preference_pairs(tmp_path / "pap.parquet")
@@ -191,10 +195,20 @@ def test_parquet_paths_bytes_and_structs(tmp_path, images):
 def test_saved_dataset_with_image_features(tmp_path):
     import datasets
 
-    rows = {"caption": ["c", "bad"], "jpg_0": [Image.new("RGB", (8, 8), RED)] * 2,
-            "jpg_1": [Image.new("RGB", (8, 8), GREEN)] * 2, "label_0": [0.0, 0.5]}
-    features = datasets.Features({"caption": datasets.Value("string"), "jpg_0": datasets.Image(),
-                                  "jpg_1": datasets.Image(), "label_0": datasets.Value("float32")})
+    rows = {
+        "caption": ["c", "bad"],
+        "jpg_0": [Image.new("RGB", (8, 8), RED)] * 2,
+        "jpg_1": [Image.new("RGB", (8, 8), GREEN)] * 2,
+        "label_0": [0.0, 0.5],
+    }
+    features = datasets.Features(
+        {
+            "caption": datasets.Value("string"),
+            "jpg_0": datasets.Image(),
+            "jpg_1": datasets.Image(),
+            "label_0": datasets.Value("float32"),
+        }
+    )
     datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "saved"))
     (pair,), stats = load_preference_pairs(tmp_path / "saved")
     assert stats["skipped_ties"] == 1 and pair.chosen.getpixel((0, 0)) == GREEN

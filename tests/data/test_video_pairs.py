@@ -14,7 +14,9 @@ from omni.data.synthetic_pairs import write_synthetic_video_pairs
 
 @pytest.fixture(scope="module")
 def video_pairs(tmp_path_factory):
-    return write_synthetic_video_pairs(tmp_path_factory.mktemp("video_pairs"), n_pairs=4, resolution=16, num_frames=5, seed=0)
+    return write_synthetic_video_pairs(
+        tmp_path_factory.mktemp("video_pairs"), n_pairs=4, resolution=16, num_frames=5, seed=0
+    )
 
 
 def test_mp4_and_frame_folder_clips_read_back_as_their_frames(video_pairs):
@@ -48,7 +50,9 @@ def test_an_undecodable_video_is_named_with_its_file_and_line(video_pairs):
 
 
 def test_a_clip_of_the_wrong_length_is_named_with_its_file_and_line(video_pairs):
-    with pytest.raises(ValueError, match=r"pairs.jsonl, line 1: video .*pair_00000_chosen.mp4 .* has 5 frames; .*rollout.num_frames=9"):
+    with pytest.raises(
+        ValueError, match=r"pairs.jsonl, line 1: video .*pair_00000_chosen.mp4 .* has 5 frames; .*rollout.num_frames=9"
+    ):
         load_preference_pairs(video_pairs, num_frames=9)
     folder = video_pairs.parent / "clips" / "pair_00001_chosen"
     (folder / "0004.png").rename(folder.parent / "moved.png")  # a 4-frame folder: not 4k+1

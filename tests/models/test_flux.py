@@ -32,7 +32,11 @@ def schnell(tmp_path_factory):
 
 def pipeline_weights(seed):
     pipe = build_tiny_flux_pipeline(seed)
-    return {f"{name}/{k}": v for name in FAMILY.text_encoders + ("transformer", "vae") for k, v in getattr(pipe, name).state_dict().items()}
+    return {
+        f"{name}/{k}": v
+        for name in FAMILY.text_encoders + ("transformer", "vae")
+        for k, v in getattr(pipe, name).state_dict().items()
+    }
 
 
 def test_two_builds_are_identical():
@@ -56,7 +60,9 @@ def test_packing_is_flux_pipelines(tiny_flux_dir):
     assert torch.equal(packed, FluxPipeline._pack_latents(latents, 2, 16, 8, 8))
     assert torch.equal(unpack(packed), FluxPipeline._unpack_latents(packed, 64, 64, 8))
     assert torch.equal(unpack(packed), latents)
-    assert torch.equal(image_ids(16, "cpu", torch.float32), FluxPipeline._prepare_latent_image_ids(2, 4, 4, "cpu", torch.float32))
+    assert torch.equal(
+        image_ids(16, "cpu", torch.float32), FluxPipeline._prepare_latent_image_ids(2, 4, 4, "cpu", torch.float32)
+    )
 
 
 def ode_sample(pipe, guidance_scale, steps=4):
@@ -141,9 +147,14 @@ def test_published_vae_and_schedulers():
     from omni.memory import arch_config
 
     with torch.device("meta"):
-        vae = AutoencoderKL.from_config(json.loads((resources.files("omni") / "models" / "configs" / FAMILY.published_vae_config).read_text()))
+        vae = AutoencoderKL.from_config(
+            json.loads((resources.files("omni") / "models" / "configs" / FAMILY.published_vae_config).read_text())
+        )
     assert sum(p.numel() for p in vae.parameters()) == FAMILY.vae_params and vae.config.shift_factor == 0.1159
     dev_config, schnell_config = arch_config(FAMILY, "flux.1-dev"), arch_config(FAMILY, "flux.1-schnell")
     assert vae.config.latent_channels * 4 == dev_config["in_channels"] == schnell_config["in_channels"]
-    dev, schnell = (FlowMatchEulerDiscreteScheduler.from_config(FAMILY.published_scheduler_config(c)) for c in (dev_config, schnell_config))
+    dev, schnell = (
+        FlowMatchEulerDiscreteScheduler.from_config(FAMILY.published_scheduler_config(c))
+        for c in (dev_config, schnell_config)
+    )
     assert dev.config.use_dynamic_shifting and not schnell.config.use_dynamic_shifting

@@ -76,9 +76,16 @@ def test_model_micro_loads_offline_and_samples_64px(monkeypatch):
     family.check_path(cfg.model.path)
     pipe = family.load_pipeline(cfg.model.path, torch.float32)
     pipe.set_progress_bar_config(disable=True)
-    image = pipe(prompt="a photo of a red circle", num_inference_steps=2, guidance_scale=cfg.model.guidance_scale,
-                 height=cfg.model.resolution, width=cfg.model.resolution, max_sequence_length=cfg.model.max_sequence_length,
-                 generator=torch.Generator().manual_seed(0), output_type="pt").images
+    image = pipe(
+        prompt="a photo of a red circle",
+        num_inference_steps=2,
+        guidance_scale=cfg.model.guidance_scale,
+        height=cfg.model.resolution,
+        width=cfg.model.resolution,
+        max_sequence_length=cfg.model.max_sequence_length,
+        generator=torch.Generator().manual_seed(0),
+        output_type="pt",
+    ).images
     assert image.shape == (1, 3, 64, 64) and torch.isfinite(image).all()
 
 

@@ -36,8 +36,14 @@ def test_cache_is_reused(tiny_cache, tiny_sd3_dir):
 def test_loaded_pipeline_generates_64px(tiny_sd3_dir):
     pipe = FAMILY.load_pipeline(tiny_sd3_dir, torch.float32)
     out = pipe(
-        ["a red cat", "a blue dog"], num_inference_steps=3, height=64, width=64, guidance_scale=2.0,
-        max_sequence_length=16, generator=torch.Generator().manual_seed(0), output_type="pt",
+        ["a red cat", "a blue dog"],
+        num_inference_steps=3,
+        height=64,
+        width=64,
+        guidance_scale=2.0,
+        max_sequence_length=16,
+        generator=torch.Generator().manual_seed(0),
+        output_type="pt",
     ).images
     assert out.shape == (2, 3, 64, 64)
     assert torch.isfinite(out).all() and not torch.equal(out[0], out[1])
@@ -122,7 +128,9 @@ def test_published_vae_and_scheduler():
     from omni.memory import arch_config
 
     with torch.device("meta"):
-        vae = AutoencoderKL.from_config(json.loads((resources.files("omni") / "models" / "configs" / FAMILY.published_vae_config).read_text()))
+        vae = AutoencoderKL.from_config(
+            json.loads((resources.files("omni") / "models" / "configs" / FAMILY.published_vae_config).read_text())
+        )
     assert sum(p.numel() for p in vae.parameters()) == FAMILY.vae_params and vae.config.scaling_factor == 1.5305
     for arch in FAMILY.published_configs:
         assert vae.config.latent_channels == arch_config(FAMILY, arch)["in_channels"]

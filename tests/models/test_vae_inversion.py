@@ -26,7 +26,10 @@ def test_inverted_latents_decode_to_the_image_the_encoders_do_not(vae):
     inverted = vae_encode(vae, images, "cpu", inversion_steps=100)
     encoded = vae_encode(vae, images, "cpu")
     assert inverted.shape == encoded.shape == (4, vae.config.latent_channels, 8, 8)
-    error = {name: (vae_decode(vae, z) - images).pow(2).mean().item() for name, z in [("inverted", inverted), ("encoded", encoded)]}
+    error = {
+        name: (vae_decode(vae, z) - images).pow(2).mean().item()
+        for name, z in [("inverted", inverted), ("encoded", encoded)]
+    }
     assert error["inverted"] < 0.5 * error["encoded"], error
     brightness = vae_decode(vae, inverted).mean(dim=(1, 2, 3))
     # the lighter image stays clearly the lighter (its gap is 0.2; the decoder's range is narrower)

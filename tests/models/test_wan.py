@@ -49,7 +49,9 @@ def test_family_and_cache(tiny_cache, tiny_wan_dir):
 
 def ode_sample(pipe, guidance_scale, steps=3, seeds=(3, 4)):
     """Our sampler with every step an ODE step."""
-    options = SamplingOptions(steps, SIZE, guidance_scale, 0.7, max_sequence_length=16, sde_steps=(0, 0), num_frames=FRAMES)
+    options = SamplingOptions(
+        steps, SIZE, guidance_scale, 0.7, max_sequence_length=16, sde_steps=(0, 0), num_frames=FRAMES
+    )
     return sample_rollout(FAMILY, pipe, PROMPTS, list(seeds), options, 4, torch.device("cpu"), torch.float32)
 
 
@@ -69,7 +71,9 @@ def test_ode_sampling_equals_wan_pipeline(pipe, monkeypatch):
     assert ours.images.shape == theirs.shape == (2, FRAMES, 3, SIZE, SIZE) and theirs.std() > 0.05
     assert (ours.images - theirs).abs().max() < 1e-5
     generators = [torch.Generator().manual_seed(s) for s in (3, 4)]
-    assert torch.equal(ours.latents[:, 0], pipe.prepare_latents(2, 16, SIZE, SIZE, FRAMES, torch.float32, "cpu", generators))
+    assert torch.equal(
+        ours.latents[:, 0], pipe.prepare_latents(2, 16, SIZE, SIZE, FRAMES, torch.float32, "cpu", generators)
+    )
 
     sigmas = FAMILY.sigmas
     monkeypatch.setattr(FAMILY, "sigmas", lambda p, n, resolution: sigmas(p, n + 1, resolution)[[0, 1, 2, 4]])
@@ -119,8 +123,18 @@ def test_published_architectures_build_on_the_meta_device():
     assert round(counts["wan2.1-t2v-14b"] / 1e9, 1) == 14.3
     assert round(counts["wan2.2-ti2v-5b"] / 1e9, 1) == 5.0
     with torch.device("meta"):
-        t5 = UMT5EncoderModel(UMT5Config(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-                                         feed_forward_proj="gated-gelu", tie_word_embeddings=False))
+        t5 = UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=256384,
+                d_model=4096,
+                d_kv=64,
+                d_ff=10240,
+                num_layers=24,
+                num_heads=64,
+                feed_forward_proj="gated-gelu",
+                tie_word_embeddings=False,
+            )
+        )
         vae = AutoencoderKLWan()
     assert sum(p.numel() for p in t5.parameters()) == FAMILY.text_encoder_params
     assert sum(p.numel() for p in vae.parameters()) == FAMILY.vae_params
@@ -132,8 +146,12 @@ def test_two_expert_checkpoint_and_missing_path_are_refused(tmp_path, tiny_wan_d
     moe = tmp_path / "a14b"
     shutil.copytree(tiny_wan_dir, moe, ignore=shutil.ignore_patterns("*.safetensors"))
     index = json.loads((moe / "model_index.json").read_text())
-    (moe / "model_index.json").write_text(json.dumps({**index, "transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875}))
-    with pytest.raises(ValueError, match="model.path=.*two experts|Mixture-of-Experts.*training both experts is not supported"):
+    (moe / "model_index.json").write_text(
+        json.dumps({**index, "transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875})
+    )
+    with pytest.raises(
+        ValueError, match="model.path=.*two experts|Mixture-of-Experts.*training both experts is not supported"
+    ):
         FAMILY.check_path(str(moe))
     assert FAMILY.check_path(str(tiny_wan_dir)) == tiny_wan_dir
 

@@ -18,8 +18,14 @@ def train(*overrides, full_error=False, tmp_path=None):
     if full_error:
         env["HYDRA_FULL_ERROR"] = "1"
     run_dir = [f"hydra.run.dir={tmp_path}"] if tmp_path else []
-    return subprocess.run([sys.executable, "recipes/train.py", *run_dir, *overrides], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "recipes/train.py", *run_dir, *overrides],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 HYDRA_FRAME = ("Error executing job with overrides:", "Set the environment variable HYDRA_FULL_ERROR=1")
@@ -33,13 +39,17 @@ def error_lines(result):
 
 
 CASES = [
-    (["experiment=sd3_flow_grpo", "model.path=/ckpt/sd3.5-medium"],
-     "data.train is mandatory and not set: pass data.train=/path/to/prompts.txt"),
+    (
+        ["experiment=sd3_flow_grpo", "model.path=/ckpt/sd3.5-medium"],
+        "data.train is mandatory and not set: pass data.train=/path/to/prompts.txt",
+    ),
     (["+reward.weights.aesthetic=1.0"], "reward.weights: no such key"),
-    (["model=sd3", "model.path=stabilityai/stable-diffusion-3.5-medium"],
-     "model.path=stabilityai/stable-diffusion-3.5-medium: no such local directory; it looks like a Hugging Face hub id, "
-     "but models load from local directories: download it once (huggingface-cli download "
-     "stabilityai/stable-diffusion-3.5-medium --local-dir /ckpt/stable-diffusion-3.5-medium)"),
+    (
+        ["model=sd3", "model.path=stabilityai/stable-diffusion-3.5-medium"],
+        "model.path=stabilityai/stable-diffusion-3.5-medium: no such local directory; it looks like a Hugging Face hub id, "
+        "but models load from local directories: download it once (huggingface-cli download "
+        "stabilityai/stable-diffusion-3.5-medium --local-dir /ckpt/stable-diffusion-3.5-medium)",
+    ),
     (["rollout=vllm", f"rollout.options.url=http://127.0.0.1:{free_port()}"], "rollout.options.url=http://127.0.0.1:"),
 ]
 

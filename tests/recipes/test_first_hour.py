@@ -30,7 +30,11 @@ def default_run(tmp_path_factory, tiny_cache):
 def test_metrics_reach_hydras_log_file_and_the_console(default_run):
     run_dir, result = default_run
     log = (run_dir / "again" / "train.log").read_text()
-    for line in ("step 0: eval/brightness=", "step 2: eval/brightness=", "eval reward (held-out prompts and seeds): before"):
+    for line in (
+        "step 0: eval/brightness=",
+        "step 2: eval/brightness=",
+        "eval reward (held-out prompts and seeds): before",
+    ):
         assert line in log, f"{line!r} not in train.log:\n{log}"
         assert line in result.stdout, f"{line!r} not on the console"
 
@@ -66,13 +70,23 @@ def test_reward_metrics_carry_the_rewards_name(tmp_path, tiny_cache):
 
 def logged(log: str, key: str):
     """{step: value} of `key` in the metric lines of a train.log."""
-    return {int(step): float(value) for step, value in re.findall(rf"step (\d+): .*\b{re.escape(key)}=([-\d.e+]+)", log)}
+    return {
+        int(step): float(value) for step, value in re.findall(rf"step (\d+): .*\b{re.escape(key)}=([-\d.e+]+)", log)
+    }
 
 
 def test_learning_rate_warms_up_then_follows_the_schedule(tmp_path, tiny_cache):
     """The rate the optimizer holds at each step, as the worker reports it: a warm-up step
     at half the rate, then half a cosine."""
-    cli(tmp_path, tiny_cache, "trainer.steps=3", "trainer.lr=0.01", "trainer.lr_schedule=cosine", "trainer.warmup_steps=1",
-        "logger.console_every=1", "trainer.progress_bar=false")
+    cli(
+        tmp_path,
+        tiny_cache,
+        "trainer.steps=3",
+        "trainer.lr=0.01",
+        "trainer.lr_schedule=cosine",
+        "trainer.warmup_steps=1",
+        "logger.console_every=1",
+        "trainer.progress_bar=false",
+    )
     rates = logged((tmp_path / "train.log").read_text(), "train/lr")
     assert rates == pytest.approx({1: 0.005, 2: 0.01, 3: 0.005}), rates

@@ -153,10 +153,20 @@ def test_a_component_of_each_kind_is_new_files_only(tmp_path, tiny_cache):
     before = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
     env = {**os.environ, "THROWAWAY_MARKS": str(marks), "PYTHONPATH": os.pathsep.join([str(root), str(REPO)])}
     command = [
-        sys.executable, "recipes/train.py", f"hydra.run.dir={tmp_path / 'run'}", f"model.cache_dir={tiny_cache}",
-        f"hydra.searchpath=[file://{root / 'conf'}]", "model=throwaway_family", "algorithm=throwaway_algorithm",
-        "reward=throwaway_reward", "rollout=throwaway_engine", "trainer.steps=1", "trainer.batch_size=4",
-        "algorithm.group_size=2", "trainer.eval_every=0", "trainer.progress_bar=false",
+        sys.executable,
+        "recipes/train.py",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        f"model.cache_dir={tiny_cache}",
+        f"hydra.searchpath=[file://{root / 'conf'}]",
+        "model=throwaway_family",
+        "algorithm=throwaway_algorithm",
+        "reward=throwaway_reward",
+        "rollout=throwaway_engine",
+        "trainer.steps=1",
+        "trainer.batch_size=4",
+        "algorithm.group_size=2",
+        "trainer.eval_every=0",
+        "trainer.progress_bar=false",
     ]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"

@@ -11,19 +11,34 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_log_names_the_pair_preset_and_its_settings(tmp_path, tiny_cache):
-    command = [sys.executable, "recipes/train.py", f"hydra.run.dir={tmp_path}", f"model.cache_dir={tiny_cache}",
-               "trainer.progress_bar=false", "algorithm=grpo_guard", *SHORT, "trainer.lr=5e-3"]
+    command = [
+        sys.executable,
+        "recipes/train.py",
+        f"hydra.run.dir={tmp_path}",
+        f"model.cache_dir={tiny_cache}",
+        "trainer.progress_bar=false",
+        "algorithm=grpo_guard",
+        *SHORT,
+        "trainer.lr=5e-3",
+    ]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    line = ("model_algorithm=sd3_tiny_grpo_guard applied for model=sd3_tiny with algorithm=grpo_guard "
-            "(omni/conf/model_algorithm/sd3_tiny_grpo_guard.yaml): sets algorithm.clip_range=0.2, "
-            "trainer.lr=0.01 (overridden: trainer.lr=0.005)")
+    line = (
+        "model_algorithm=sd3_tiny_grpo_guard applied for model=sd3_tiny with algorithm=grpo_guard "
+        "(omni/conf/model_algorithm/sd3_tiny_grpo_guard.yaml): sets algorithm.clip_range=0.2, "
+        "trainer.lr=0.01 (overridden: trainer.lr=0.005)"
+    )
     assert line in (tmp_path / "train.log").read_text()
 
 
 def test_log_says_when_no_pair_preset_applies(tmp_path):
     """model=sd3 has no pair preset with flow_grpo; the run stops at validation (no checkpoint)."""
-    result = subprocess.run([sys.executable, "recipes/train.py", f"hydra.run.dir={tmp_path}", "model=sd3"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "recipes/train.py", f"hydra.run.dir={tmp_path}", "model=sd3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode != 0 and "model.path is not set" in result.stderr
     assert "model_algorithm: no preset for model=sd3 with algorithm=flow_grpo" in (tmp_path / "train.log").read_text()

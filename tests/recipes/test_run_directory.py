@@ -27,7 +27,11 @@ def two_checkpoints(tmp_path_factory, tiny_cache):
 def digest(run_dir: Path) -> dict:
     """Every file under checkpoints/ and its content's hash."""
     root = Path(run_dir) / "checkpoints"
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def start(run_dir, cache, *overrides, flags=()):
@@ -42,12 +46,30 @@ def damage_every_state(run_dir: Path) -> None:
 
 
 REFUSED = {
-    "LoRA rank": (["trainer.resume=auto", "model.lora.rank=16"], "step_000002 was saved by another configuration: saved LoRA rank 8, configured 16 (model.lora.rank)"),
-    "full fine-tuning": (["trainer.resume=auto", "model.lora=null"], "saved a LoRA, configured full fine-tuning (model.lora=null)"),
-    "model family": (["trainer.resume=auto", "model=flux_tiny"], "saved model family sd3, configured flux (model.family)"),
-    "fresh run": ([], "holds checkpoints of an earlier run (step_000001, step_000002) that this run would write over: it starts at step 0"),
-    "explicit older step": (["trainer.resume={run_dir}/checkpoints/step_000001"], "of an earlier run (step_000002) that this run would write over"),
-    "none usable": (["trainer.resume=auto"], "trainer.resume=auto found checkpoints in {run_dir}/checkpoints but none it can use: {run_dir}/checkpoints/step_000002/trainer_state.pt"),
+    "LoRA rank": (
+        ["trainer.resume=auto", "model.lora.rank=16"],
+        "step_000002 was saved by another configuration: saved LoRA rank 8, configured 16 (model.lora.rank)",
+    ),
+    "full fine-tuning": (
+        ["trainer.resume=auto", "model.lora=null"],
+        "saved a LoRA, configured full fine-tuning (model.lora=null)",
+    ),
+    "model family": (
+        ["trainer.resume=auto", "model=flux_tiny"],
+        "saved model family sd3, configured flux (model.family)",
+    ),
+    "fresh run": (
+        [],
+        "holds checkpoints of an earlier run (step_000001, step_000002) that this run would write over: it starts at step 0",
+    ),
+    "explicit older step": (
+        ["trainer.resume={run_dir}/checkpoints/step_000001"],
+        "of an earlier run (step_000002) that this run would write over",
+    ),
+    "none usable": (
+        ["trainer.resume=auto"],
+        "trainer.resume=auto found checkpoints in {run_dir}/checkpoints but none it can use: {run_dir}/checkpoints/step_000002/trainer_state.pt",
+    ),
 }
 
 
@@ -61,7 +83,11 @@ def test_resume_refuses_checkpoints_it_did_not_make_before_any_model_loads(two_c
         shutil.copytree(two_checkpoints / "checkpoints", run_dir / "checkpoints")
         if case == "none usable":
             damage_every_state(run_dir)
-        running[case] = (run_dir, digest(run_dir), start(run_dir, tiny_cache, "trainer.steps=4", *(o.format(run_dir=run_dir) for o in overrides)))
+        running[case] = (
+            run_dir,
+            digest(run_dir),
+            start(run_dir, tiny_cache, "trainer.steps=4", *(o.format(run_dir=run_dir) for o in overrides)),
+        )
     for case, (run_dir, before, process) in running.items():
         output, _ = process.communicate(timeout=300)
         expected = REFUSED[case][1].format(run_dir=run_dir)
@@ -82,12 +108,20 @@ def test_a_run_directory_in_use_is_refused_before_hydra_writes_into_it(tmp_path,
     for name, text in first.items():
         (tmp_path / name).write_text(text)
     with RunLock(tmp_path):
-        runs = [start(tmp_path, tiny_cache, "seed=2"), start(tmp_path, tiny_cache, f"hydra.sweep.dir={tmp_path}", "seed=3,4", flags=["-m"])]
+        runs = [
+            start(tmp_path, tiny_cache, "seed=2"),
+            start(tmp_path, tiny_cache, f"hydra.sweep.dir={tmp_path}", "seed=3,4", flags=["-m"]),
+        ]
         outputs = [process.communicate(timeout=300)[0] for process in runs]
     for process, output in zip(runs, outputs):
         assert process.returncode != 0 and f"{tmp_path} is in use by a running training run" in output, output[-2000:]
     assert {name: (tmp_path / name).read_text() for name in first} == first
-    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [".hydra", ".hydra/overrides.yaml", ".lock", "train.log"]
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        ".hydra",
+        ".hydra/overrides.yaml",
+        ".lock",
+        "train.log",
+    ]
 
 
 def test_the_run_directory_holds_the_resolved_validated_config(two_checkpoints):
@@ -101,7 +135,9 @@ def test_the_run_directory_holds_the_resolved_validated_config(two_checkpoints):
     from omni.models.sd3 import FAMILY
 
     text = (two_checkpoints / "resolved_config.yaml").read_text()
-    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig(algorithm=FlowGRPOConfig())), OmegaConf.create(text)))
+    config = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(TrainConfig(algorithm=FlowGRPOConfig())), OmegaConf.create(text))
+    )
     assert "${" not in text and config.output_dir == str(two_checkpoints)
     assert config.model.lora.target_modules == list(FAMILY.lora_targets) and config.model.lora.rank == 8
     assert (config.trainer.steps, config.trainer.save_every, config.rollout.resolution) == (2, 1, 64)
@@ -143,13 +179,17 @@ def test_training_starts_from_an_existing_lora(two_checkpoints, tmp_path, tiny_c
     loads, naming the file."""
     saved = two_checkpoints / "checkpoints" / "step_000002"
     runs = {
-        "from the LoRA": start(tmp_path / "a", tiny_cache, f"model.lora.init_from={saved}", "trainer.eval_only=true", "trainer.steps=0"),
+        "from the LoRA": start(
+            tmp_path / "a", tiny_cache, f"model.lora.init_from={saved}", "trainer.eval_only=true", "trainer.steps=0"
+        ),
         "rank 16": start(tmp_path / "b", tiny_cache, f"model.lora.init_from={saved}", "model.lora.rank=16"),
         "missing": start(tmp_path / "c", tiny_cache, f"model.lora.init_from={tmp_path}/none.safetensors"),
     }
     outputs = {case: process.communicate(timeout=300)[0] for case, process in runs.items()}
     after, before = mean_after(two_checkpoints)
-    assert f"held-out reward {after:.4f} at step 0" in outputs["from the LoRA"] and f"{after:.4f}" != f"{before:.4f}", outputs["from the LoRA"][-2000:]
+    assert f"held-out reward {after:.4f} at step 0" in outputs["from the LoRA"] and f"{after:.4f}" != f"{before:.4f}", (
+        outputs["from the LoRA"][-2000:]
+    )
     refused = {
         "rank 16": f"model.lora.init_from={saved}: {saved}/pytorch_lora_weights.safetensors: saved LoRA rank 8, configured 16 (model.lora.rank)",
         "missing": f"model.lora.init_from={tmp_path}/none.safetensors: {tmp_path}/none.safetensors: no such LoRA file or directory",

@@ -39,7 +39,9 @@ def final_reward(job_dir: Path) -> float:
 @pytest.mark.slow
 def test_optuna_multirun_gives_each_job_its_directory_and_ray_and_maximises_the_reward(tmp_path, tiny_cache):
     """One sweep checks both: an Optuna search of 2 trials, each job with 2 workers."""
-    output = sweep(tmp_path, tiny_cache, "hparams_search=optuna", "hydra.sweeper.n_trials=2", "trainer.n_workers=2", *SHORT)
+    output = sweep(
+        tmp_path, tiny_cache, "hparams_search=optuna", "hydra.sweeper.n_trials=2", "trainer.n_workers=2", *SHORT
+    )
     jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
     assert [p.name for p in jobs] == ["0", "1"]
     results = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
@@ -80,6 +82,10 @@ def test_search_with_bad_fixed_settings_is_refused_before_any_trial(tmp_path, ti
                "hparams_search=optuna", "experiment=tiny_sweep", "hydra.sweeper.n_trials=1", "trainer.steps=-1"]  # fmt: skip
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 1 and not (tmp_path / "sweep").exists()
-    assert result.stderr.strip().splitlines()[-1].startswith(
-        "the sweep is refused before any job starts, 1 of its 1 jobs cannot run: job #0 (the fixed settings): trainer.steps=-1"
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "the sweep is refused before any job starts, 1 of its 1 jobs cannot run: job #0 (the fixed settings): trainer.steps=-1"
+        )
     )

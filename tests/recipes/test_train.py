@@ -18,8 +18,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 def train(run_dir, cache, *overrides, check=True, timeout=None, env=None):
     command = [
-        sys.executable, "recipes/train.py", f"hydra.run.dir={run_dir}", f"model.cache_dir={cache}",
-        "trainer.progress_bar=false", *overrides,
+        sys.executable,
+        "recipes/train.py",
+        f"hydra.run.dir={run_dir}",
+        f"model.cache_dir={cache}",
+        "trainer.progress_bar=false",
+        *overrides,
     ]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     if check and result.returncode != 0:
@@ -50,11 +54,17 @@ def _train_in_parallel(runs, cache, timeout):
     running = []
     for run_dir, (threads, overrides) in runs.items():
         command = [
-            sys.executable, "recipes/train.py", f"hydra.run.dir={run_dir}", f"model.cache_dir={cache}",
-            "trainer.progress_bar=false", *overrides,
+            sys.executable,
+            "recipes/train.py",
+            f"hydra.run.dir={run_dir}",
+            f"model.cache_dir={cache}",
+            "trainer.progress_bar=false",
+            *overrides,
         ]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        running.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        running.append(
+            subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
     for process in running:
         out, _ = process.communicate(timeout=timeout)
         assert process.returncode == 0, f"train.py failed:\n{out[-3000:]}"
@@ -155,7 +165,9 @@ def test_bad_input_fails_before_loading(tmp_path, tiny_cache):
 
 
 def final_transformer(run_dir, step):
-    return load_file(Path(run_dir) / "checkpoints" / f"step_{step:06d}" / "transformer" / "diffusion_pytorch_model.safetensors")
+    return load_file(
+        Path(run_dir) / "checkpoints" / f"step_{step:06d}" / "transformer" / "diffusion_pytorch_model.safetensors"
+    )
 
 
 @pytest.mark.slow

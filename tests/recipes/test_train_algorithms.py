@@ -20,7 +20,11 @@ RUNS = {
     "diffusion_nft": ["algorithm=diffusion_nft", "seed=1"],
     # Dr.GRPO's advantages, the KL to the base on the velocity, and an EMA that is evaluated
     "flow_grpo_options": [
-        "algorithm.adv_norm=none", "algorithm.kl_type=velocity", "algorithm.kl_coef=0.001", "trainer.ema_decay=0.9", "seed=0",
+        "algorithm.adv_norm=none",
+        "algorithm.kl_type=velocity",
+        "algorithm.kl_coef=0.001",
+        "trainer.ema_decay=0.9",
+        "seed=0",
     ],  # fmt: skip
     # every transformer weight trains, at a tenth of the LoRA's step size
     "full_finetuning": ["model.lora=null", "trainer.lr=1e-3", "seed=1"],

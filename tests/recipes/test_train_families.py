@@ -16,7 +16,10 @@ RUNS = {
     "wan_tiny": (1, ["model=wan_tiny", "reward=frame_brightness", "seed=1", "trainer.steps=20"]),
     # 9 frames are 3 latent frames: with 5 (2 latent frames, the last decoded into 4 frames)
     # the model has little say over how the frames follow each other, and only some seeds rise
-    "wan_tiny_temporal": (1, ["model=wan_tiny", "reward=temporal_consistency", "rollout.num_frames=9", "seed=0", "trainer.steps=20"]),
+    "wan_tiny_temporal": (
+        1,
+        ["model=wan_tiny", "reward=temporal_consistency", "rollout.num_frames=9", "seed=0", "trainer.steps=20"],
+    ),
 }
 
 

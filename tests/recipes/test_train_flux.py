@@ -7,7 +7,13 @@ import torch
 
 from tests.recipes.test_train import final_lora, train
 
-SHORT = ["model=flux_tiny", "trainer.steps=2", "trainer.batch_size=8", "algorithm.group_size=4", "trainer.eval_images_per_prompt=1"]
+SHORT = [
+    "model=flux_tiny",
+    "trainer.steps=2",
+    "trainer.batch_size=8",
+    "algorithm.group_size=4",
+    "trainer.eval_images_per_prompt=1",
+]
 
 
 @pytest.mark.slow

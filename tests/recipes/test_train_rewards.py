@@ -42,7 +42,12 @@ def served_reward(*overrides, log):
         process.wait(timeout=30)
 
 
-ITEMS = [("a shop sign", "BAKERY"), ("a poster on a wall", "SUMMER FAIR"), ("a road sign", "SLOW"), ("a mug", "MORNING")]
+ITEMS = [
+    ("a shop sign", "BAKERY"),
+    ("a poster on a wall", "SUMMER FAIR"),
+    ("a road sign", "SLOW"),
+    ("a mug", "MORNING"),
+]
 
 
 def metadata_only_prompts(path: Path) -> Path:
@@ -62,5 +67,13 @@ def scores_in_unit_interval(run_dir: Path, steps: int) -> None:
 def test_flow_grpo_with_a_served_reward(tmp_path, tiny_cache):
     items = metadata_only_prompts(tmp_path / "items.jsonl")
     with open(tmp_path / "server.log", "w") as log, served_reward("reward=ocr", log=log) as url:
-        train(tmp_path / "run", tiny_cache, "reward=http", f"reward.components.http.url={url}", f"data.train={items}", f"data.eval={items}", *SHORT_RUN)
+        train(
+            tmp_path / "run",
+            tiny_cache,
+            "reward=http",
+            f"reward.components.http.url={url}",
+            f"data.train={items}",
+            f"data.eval={items}",
+            *SHORT_RUN,
+        )
     scores_in_unit_interval(tmp_path / "run", 1)

@@ -73,7 +73,9 @@ def test_aesthetic_head_on_unit_image_embeddings(clip_dir, forward, tmp_path):
     assert torch.allclose(reward.score(IMAGES, PROMPTS), expected.squeeze(-1), atol=1e-5)
     assert torch.equal(reward.score(IMAGES, PROMPTS), reward.score(IMAGES, ["another prompt"] * 5))
     constant = save_aesthetic_head(tmp_path / "constant.pth", embedding_size=16, constant=6.5)
-    assert torch.equal(loaded("aesthetic", path=str(clip_dir), head_path=str(constant)).score(IMAGES, PROMPTS), torch.full((5,), 6.5))
+    assert torch.equal(
+        loaded("aesthetic", path=str(clip_dir), head_path=str(constant)).score(IMAGES, PROMPTS), torch.full((5,), 6.5)
+    )
 
 
 def test_head_of_another_size_is_named(clip_dir, tmp_path):
@@ -85,11 +87,34 @@ def test_head_of_another_size_is_named(clip_dir, tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["reward=pickscore"], "reward.components.pickscore.path is mandatory and not set: pass reward.components.pickscore.path="),
-        (["reward=pickscore", "reward.components.pickscore.path=/nonexistent/pickscore"], "reward.components.pickscore.path=/nonexistent/pickscore: not a model directory"),
-        (["reward=clipscore", "reward.components.clipscore.path={clip}", "reward.components.clipscore.processor_path=/nope"], "reward.components.clipscore.processor_path=/nope: not a model directory"),
-        (["reward=aesthetic", "reward.components.aesthetic.path={clip}", "reward.components.aesthetic.head_path=/nope.pth"], "reward.components.aesthetic.head_path=/nope.pth: no such file"),
-        (["reward=clipscore", "reward.components.clipscore.path={clip}", "reward.components.clipscore.dtype=fp8"], "reward.components.clipscore.dtype=fp8: expected one of"),
+        (
+            ["reward=pickscore"],
+            "reward.components.pickscore.path is mandatory and not set: pass reward.components.pickscore.path=",
+        ),
+        (
+            ["reward=pickscore", "reward.components.pickscore.path=/nonexistent/pickscore"],
+            "reward.components.pickscore.path=/nonexistent/pickscore: not a model directory",
+        ),
+        (
+            [
+                "reward=clipscore",
+                "reward.components.clipscore.path={clip}",
+                "reward.components.clipscore.processor_path=/nope",
+            ],
+            "reward.components.clipscore.processor_path=/nope: not a model directory",
+        ),
+        (
+            [
+                "reward=aesthetic",
+                "reward.components.aesthetic.path={clip}",
+                "reward.components.aesthetic.head_path=/nope.pth",
+            ],
+            "reward.components.aesthetic.head_path=/nope.pth: no such file",
+        ),
+        (
+            ["reward=clipscore", "reward.components.clipscore.path={clip}", "reward.components.clipscore.dtype=fp8"],
+            "reward.components.clipscore.dtype=fp8: expected one of",
+        ),
     ],
 )
 def test_bad_paths_fail_at_validation(clip_dir, overrides, message):

@@ -29,7 +29,9 @@ def open_clip_or_skip():
 
 
 def loaded(path, architecture):
-    reward = REWARDS.get("hpsv2")("hpsv2", reward_options("hpsv2", {"path": str(path), "architecture": str(architecture)}))
+    reward = REWARDS.get("hpsv2")(
+        "hpsv2", reward_options("hpsv2", {"path": str(path), "architecture": str(architecture)})
+    )
     reward.setup()
     return reward
 
@@ -44,7 +46,9 @@ def tiny(tmp_path_factory):
     open_clip.add_model_config(config)
     torch.manual_seed(0)
     model = open_clip.create_model("tiny-hps-vit", pretrained=None).eval()
-    torch.save({"state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}, "epoch": 1}, directory / "hps.pt")
+    torch.save(
+        {"state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}, "epoch": 1}, directory / "hps.pt"
+    )
     return config, directory / "hps.pt", model
 
 
@@ -68,7 +72,11 @@ def test_the_checkpoint_weights_are_the_ones_scoring(tiny, tmp_path):
     torch.manual_seed(1)
     other = open_clip.create_model("tiny-hps-vit", pretrained=None)
     torch.save(other.state_dict(), tmp_path / "bare.pt")  # a bare state dict loads too
-    assert not torch.allclose(loaded(tmp_path / "bare.pt", config).score(IMAGES, PROMPTS), loaded(checkpoint, config).score(IMAGES, PROMPTS), atol=1e-4)
+    assert not torch.allclose(
+        loaded(tmp_path / "bare.pt", config).score(IMAGES, PROMPTS),
+        loaded(checkpoint, config).score(IMAGES, PROMPTS),
+        atol=1e-4,
+    )
     wider = tmp_path / "wider-vit.json"
     wider.write_text(json.dumps({**TINY, "embed_dim": 24}))
     with pytest.raises(ValueError, match=f"path={checkpoint}: not an HPS checkpoint of wider-vit"):
@@ -82,8 +90,19 @@ def test_bad_paths_fail_at_validation(tmp_path):
     with pytest.raises(ConfigError, match="reward.components.hpsv2.path=.*nope.pt: no such file"):
         validate(compose_config(["reward=hpsv2", f"reward.components.hpsv2.path={tmp_path}/nope.pt"], tmp_path))
     (tmp_path / "hps.pt").write_bytes(b"")
-    with pytest.raises(ConfigError, match="reward.components.hpsv2.architecture=.*missing.json: no such open_clip model config"):
-        validate(compose_config(["reward=hpsv2", f"reward.components.hpsv2.path={tmp_path}/hps.pt", f"reward.components.hpsv2.architecture={tmp_path}/missing.json"], tmp_path))
+    with pytest.raises(
+        ConfigError, match="reward.components.hpsv2.architecture=.*missing.json: no such open_clip model config"
+    ):
+        validate(
+            compose_config(
+                [
+                    "reward=hpsv2",
+                    f"reward.components.hpsv2.path={tmp_path}/hps.pt",
+                    f"reward.components.hpsv2.architecture={tmp_path}/missing.json",
+                ],
+                tmp_path,
+            )
+        )
 
 
 def test_without_open_clip_the_error_says_how_to_get_it(tmp_path):

@@ -47,7 +47,7 @@ def fault_app(behaviour, seen):
         if behaviour == "flaky" and len(seen) <= 2 or behaviour == "500":
             return fastapi.Response("reward model crashed", status_code=500)
         if behaviour == "malformed":
-            return fastapi.Response("{\"scores\": [1.0, ", media_type="application/json")
+            return fastapi.Response('{"scores": [1.0, ', media_type="application/json")
         if behaviour == "short":
             return {"scores": [1.0]}
         if behaviour == "slow":
@@ -55,7 +55,7 @@ def fault_app(behaviour, seen):
         if behaviour == "refuse":
             return fastapi.Response("prompt 0 has no tag", status_code=422)
         if behaviour == "nan":  # as Python's json writes a NaN score (the protocol lets one through)
-            return fastapi.Response("{\"scores\": [NaN, 1.0, 2.0, NaN, 3.0]}", media_type="application/json")
+            return fastapi.Response('{"scores": [NaN, 1.0, 2.0, NaN, 3.0]}', media_type="application/json")
         return {"scores": [float(len(p)) for p in body["prompts"]]}
 
     return app
@@ -66,7 +66,9 @@ def test_request_carries_images_prompts_and_metadata():
     assert torch.equal(images, quantize(IMAGES)) and (quantize(IMAGES) - IMAGES).abs().max() <= 0.5 / 255 + 1e-7
     assert prompts == PROMPTS and [p.metadata for p in prompts] == [p.metadata for p in PROMPTS]
     with pytest.raises(ValueError, match="images\\[1\\] is not a base64 PNG"):
-        parse_score_request({"prompts": ["a", "b"], "images": [score_request(IMAGES[:1], ["a"])["images"][0], "bm90IGEgcG5n"]})
+        parse_score_request(
+            {"prompts": ["a", "b"], "images": [score_request(IMAGES[:1], ["a"])["images"][0], "bm90IGEgcG5n"]}
+        )
 
 
 def test_served_reward_scores_as_in_process():
@@ -93,7 +95,12 @@ def test_retries_recover_from_transient_failures():
 
 @pytest.mark.parametrize(
     "behaviour, last",
-    [("500", "HTTP 500: reward model crashed"), ("malformed", "malformed answer"), ("short", "1 scores for 2 images"), ("slow", "no answer within 0.3 s")],
+    [
+        ("500", "HTTP 500: reward model crashed"),
+        ("malformed", "malformed answer"),
+        ("short", "1 scores for 2 images"),
+        ("slow", "no answer within 0.3 s"),
+    ],
 )
 def test_faults_are_retried_then_named(behaviour, last):
     seen = []
@@ -136,7 +143,10 @@ def test_server_cli_names_a_bad_option_and_exits(capsys):
 
 def test_server_composes_the_reward_group():
     reward = reward_from_overrides(["reward=multi", "reward.components.jpeg_compressibility.quality=50"])
-    assert set(reward.rewards) == {"brightness", "jpeg_compressibility"} and reward.rewards["jpeg_compressibility"].options.quality == 50
+    assert (
+        set(reward.rewards) == {"brightness", "jpeg_compressibility"}
+        and reward.rewards["jpeg_compressibility"].options.quality == 50
+    )
     with pytest.raises(Exception, match="reward.components.jpeg_compressibility.qualty"):
         reward_from_overrides(["reward=jpeg_compressibility", "reward.components.jpeg_compressibility.qualty=5"])
 
@@ -146,9 +156,16 @@ def test_unreachable_server_stops_the_run_before_the_model_loads(tmp_path):
     from tests.conftest import compose_config
 
     url, cache = f"http://127.0.0.1:{free_port()}", tmp_path / "model-cache"
-    overrides = ["reward=http", f"reward.components.http.url={url}", "reward.components.http.retries=1", "reward.components.http.backoff_s=0"]
+    overrides = [
+        "reward=http",
+        f"reward.components.http.url={url}",
+        "reward.components.http.retries=1",
+        "reward.components.http.backoff_s=0",
+    ]
     cfg = compose_config([*overrides, f"model.cache_dir={cache}"], output_dir=tmp_path / "run")
-    with pytest.raises(RewardUnavailable, match=f"reward 'http': GET {url}/health failed 2 times.*cannot connect.*during set-up"):
+    with pytest.raises(
+        RewardUnavailable, match=f"reward 'http': GET {url}/health failed 2 times.*cannot connect.*during set-up"
+    ):
         run(cfg)
     assert not cache.exists() or not any(cache.iterdir())  # the tiny SD3 was never built
 
@@ -158,7 +175,10 @@ def test_geneval_prompts_need_their_metadata():
     from tests.conftest import compose_config
 
     url = "reward.components.http.url=http://127.0.0.1:8000"
-    with pytest.raises(ConfigError, match=r"data.train=omni:colors_train: .*colors_train.txt, line 1: reward.components.http needs metadata \['tag', 'include'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.train=omni:colors_train: .*colors_train.txt, line 1: reward.components.http needs metadata \['tag', 'include'\]",
+    ):
         validate(compose_config(["reward=geneval", url]))
     cfg = validate(compose_config(["reward=geneval", "data=geneval", url]))
     assert cfg.reward.components["http"].required_metadata == ["tag", "include"]
@@ -177,7 +197,10 @@ def test_served_ocr_gets_metadata_and_refuses_prompts_without_text():
     with uvicorn_server(build_app(served)) as url:
         remote = client(url)
         assert remote.score(image, [Prompt("a shop sign", {"text": "BAKERY"})]).tolist() == [1.0]
-        with pytest.raises(RewardUnavailable, match="refused the request: HTTP 400: .*request prompt 0.*'a shop sign'.*reward 'ocr' needs the target text"):
+        with pytest.raises(
+            RewardUnavailable,
+            match="refused the request: HTTP 400: .*request prompt 0.*'a shop sign'.*reward 'ocr' needs the target text",
+        ):
             remote.score(image, [Prompt("a shop sign")])
 
 
@@ -204,9 +227,17 @@ def test_server_failing_mid_run_stops_it_naming_reward_url_and_step(tiny_cache, 
     (tmp_path / "eval.txt").write_text("a red cube\n")
     with uvicorn_server(app) as url:
         overrides = [
-            "reward=http", f"reward.components.http.url={url}", "reward.components.http.retries=1", "reward.components.http.backoff_s=0",
-            f"data.eval={tmp_path / 'eval.txt'}", "trainer.steps=1", "trainer.batch_size=8", "algorithm.group_size=4",
-            "trainer.eval_images_per_prompt=1", "trainer.progress_bar=false", f"model.cache_dir={tiny_cache}",
+            "reward=http",
+            f"reward.components.http.url={url}",
+            "reward.components.http.retries=1",
+            "reward.components.http.backoff_s=0",
+            f"data.eval={tmp_path / 'eval.txt'}",
+            "trainer.steps=1",
+            "trainer.batch_size=8",
+            "algorithm.group_size=4",
+            "trainer.eval_images_per_prompt=1",
+            "trainer.progress_bar=false",
+            f"model.cache_dir={tiny_cache}",
         ]
         with pytest.raises(RewardUnavailable) as error:
             run(compose_config(overrides, tmp_path / "run"))
@@ -224,7 +255,9 @@ def test_server_answering_nan_is_named_by_its_url():
         reward.setup()
         try:
             scores = reward(IMAGES, PROMPTS)
-            with pytest.raises(NonFiniteReward, match=rf"during training step 3: 'http' \(served by {url}\) on 2 of 5 images"):
+            with pytest.raises(
+                NonFiniteReward, match=rf"during training step 3: 'http' \(served by {url}\) on 2 of 5 images"
+            ):
                 reward.finite(scores, "training step 3")
         finally:
             reward.teardown()
@@ -242,10 +275,15 @@ def test_docs_describe_the_protocol_and_a_bad_body_is_refused_naming_the_field()
         schemas = spec["components"]["schemas"]
         assert set(schemas["ScoreRequest"]["properties"]) == {"prompts", "images", "metadata"}
         assert schemas["ScoreResponse"]["properties"]["scores"]["type"] == "array"
-        assert spec["paths"]["/score"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ScoreRequest")
+        assert spec["paths"]["/score"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+            "/ScoreRequest"
+        )
         assert set(schemas["Health"]["properties"]) == {"ok", "reward"}
         bad = httpx.post(f"{url}/score", json={"prompts": "a cat", "images": []})
         assert bad.status_code == 400 and "prompts" in bad.json()["detail"]
-        assert httpx.post(f"{url}/score", content=b"{not json", headers={"Content-Type": "application/json"}).status_code == 400
+        assert (
+            httpx.post(f"{url}/score", content=b"{not json", headers={"Content-Type": "application/json"}).status_code
+            == 400
+        )
         answer = httpx.post(f"{url}/score", json=score_request(IMAGES[:2], PROMPTS[:2]))  # the client's body, unchanged
         assert answer.status_code == 200 and len(answer.json()["scores"]) == 2

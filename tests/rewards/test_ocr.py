@@ -55,8 +55,13 @@ def test_prompts_without_target_text_fail_at_validation(tmp_path):
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text('a sign that says "OK"\n\na red cat\n')
-    with pytest.raises(ConfigError, match=f"data.train={prompts}: {prompts}, line 3: reward.components.ocr needs the target text.*'a red cat'"):
+    with pytest.raises(
+        ConfigError,
+        match=f"data.train={prompts}: {prompts}, line 3: reward.components.ocr needs the target text.*'a red cat'",
+    ):
         validate(compose_config(["reward=ocr", "data=ocr", f"data.train={prompts}"]))
-    with pytest.raises(ConfigError, match="data.train=omni:colors_train: .*colors_train.txt, line 1: reward.components.ocr needs"):
+    with pytest.raises(
+        ConfigError, match="data.train=omni:colors_train: .*colors_train.txt, line 1: reward.components.ocr needs"
+    ):
         validate(compose_config(["reward=ocr"]))
     validate(compose_config(["reward=ocr", "data=ocr"]))  # the shipped OCR prompts have their texts

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from omni import scenes
-from omni.validation import ConfigError, validate
 from omni.data.prompts import Prompt, load_prompts
 from omni.rewards import WeightedReward
 from omni.rewards.scene_geneval import SceneGeneval, SceneGenevalOptions, components, detect, evaluate
+from omni.validation import ConfigError, validate
 from tests.conftest import compose_config
 
 SIZE = 64  # the tiny models' resolution
@@ -124,7 +124,10 @@ def flood_fill(mask):
 
 
 def test_components_partition_as_a_flood_fill_does():
-    masks = torch.rand(4, 40, 40, generator=torch.Generator().manual_seed(0)) > torch.tensor([0.3, 0.45, 0.55, 0.7])[:, None, None]
+    masks = (
+        torch.rand(4, 40, 40, generator=torch.Generator().manual_seed(0))
+        > torch.tensor([0.3, 0.45, 0.55, 0.7])[:, None, None]
+    )
     for mask, labels in zip(masks, components(masks)):
         reference = flood_fill(mask.tolist())
         assert torch.equal(labels > 0, mask)
@@ -138,17 +141,31 @@ def obj(name, color, box, area=100):
 
 def test_genevals_rules_on_detections():
     left, right = (0, 0, 10, 10), (30, 0, 40, 10)
-    position = {"tag": "position", "include": [{"class": "circle", "count": 1}, {"class": "square", "count": 1, "position": ["left of", 0]}]}
+    position = {
+        "tag": "position",
+        "include": [{"class": "circle", "count": 1}, {"class": "square", "count": 1, "position": ["left of", 0]}],
+    }
     assert evaluate([obj("circle", "red", right), obj("square", "blue", left)], position) == (True, 3, 3)
     assert evaluate([obj("circle", "red", left), obj("square", "blue", right)], position) == (False, 2, 3)
     assert evaluate([obj("square", "blue", left)], position) == (False, 1, 3)  # no target: the relation fails too
-    counting = {"tag": "counting", "include": [{"class": "cross", "count": 2}], "exclude": [{"class": "cross", "count": 3}]}
+    counting = {
+        "tag": "counting",
+        "include": [{"class": "cross", "count": 2}],
+        "exclude": [{"class": "cross", "count": 3}],
+    }
     crosses = [obj("cross", "red", (i * 20, 0, i * 20 + 10, 10)) for i in range(3)]
     assert evaluate(crosses[:2], counting) == (True, 2, 2)
     assert evaluate(crosses, counting) == (False, 1, 2) and evaluate(crosses[:1], counting) == (False, 1, 2)
-    attribution = {"tag": "color_attr", "include": [{"class": "circle", "count": 1, "color": "red"}, {"class": "square", "count": 1, "color": "blue"}]}
+    attribution = {
+        "tag": "color_attr",
+        "include": [{"class": "circle", "count": 1, "color": "red"}, {"class": "square", "count": 1, "color": "blue"}],
+    }
     # the circle of the asked colour counts, even beside a bigger one of another colour
-    scene = [obj("circle", "green", left, area=300), obj("circle", "red", right), obj("square", "blue", (60, 0, 70, 10))]
+    scene = [
+        obj("circle", "green", left, area=300),
+        obj("circle", "red", right),
+        obj("square", "blue", (60, 0, 70, 10)),
+    ]
     assert evaluate(scene, attribution) == (True, 4, 4)
     assert evaluate([obj("circle", "blue", left), obj("square", "red", right)], attribution) == (False, 2, 4)
 
@@ -161,15 +178,31 @@ def test_both_scores_are_reported_and_dense_chooses_the_reward():
         scores = WeightedReward({"scene_geneval": {"dense": dense}})(images, prompts, part=5)
         assert set(scores) == {"reward", "scene_geneval", "scene_geneval/accuracy", "scene_geneval/partial"}
         chosen = scores["scene_geneval/partial" if dense else "scene_geneval/accuracy"]
-        assert torch.equal(scores["reward"], chosen) and scores["reward"][0] == 0 and bool((scores["reward"][1:] == 1).all())
+        assert (
+            torch.equal(scores["reward"], chosen)
+            and scores["reward"][0] == 0
+            and bool((scores["reward"][1:] == 1).all())
+        )
     assert detect(images[:1]) == [[]]
 
 
 BAD_LINES = [  # (line, what the error names), one per kind of fault
-    ('{"prompt": "a photo of a hexagon", "tag": "single_object", "include": [{"class": "hexagon", "count": 1}]}', "class 'hexagon' is not a scene shape"),
-    ('{"prompt": "a photo of a teal circle", "tag": "colors", "include": [{"class": "circle", "count": 1, "color": "teal"}]}', "color 'teal'"),
-    ('{"prompt": "a photo of seven circles", "tag": "counting", "include": [{"class": "circle", "count": 7}]}', "count 7 is not"),
-    ('{"prompt": "a circle near a square", "tag": "position", "include": [{"class": "circle", "count": 1}, {"class": "square", "count": 1, "position": ["near", 0]}]}', "relation 'near'"),
+    (
+        '{"prompt": "a photo of a hexagon", "tag": "single_object", "include": [{"class": "hexagon", "count": 1}]}',
+        "class 'hexagon' is not a scene shape",
+    ),
+    (
+        '{"prompt": "a photo of a teal circle", "tag": "colors", "include": [{"class": "circle", "count": 1, "color": "teal"}]}',
+        "color 'teal'",
+    ),
+    (
+        '{"prompt": "a photo of seven circles", "tag": "counting", "include": [{"class": "circle", "count": 7}]}',
+        "count 7 is not",
+    ),
+    (
+        '{"prompt": "a circle near a square", "tag": "position", "include": [{"class": "circle", "count": 1}, {"class": "square", "count": 1, "position": ["near", 0]}]}',
+        "relation 'near'",
+    ),
     ('{"prompt": "a photo of a circle"}', "a 'tag' among"),
     ('{"prompt": "a photo of a circle", "tag": "single_object", "include": "circle"}', "non-empty 'include' list"),
 ]
@@ -181,7 +214,10 @@ def test_a_prompt_outside_the_vocabulary_fails_validation_at_its_line(line, name
     path = tmp_path / "prompts.jsonl"
     path.write_text(good + "\n" + line + "\n")
     overrides = ["data=scenes", "reward=scene_geneval", f"model.cache_dir={tiny_cache}"]
-    with pytest.raises(ConfigError, match=f"data.eval={path}: {path}, line 3: reward.components.scene_geneval needs scene metadata .*{named}"):
+    with pytest.raises(
+        ConfigError,
+        match=f"data.eval={path}: {path}, line 3: reward.components.scene_geneval needs scene metadata .*{named}",
+    ):
         validate(compose_config(overrides + [f"data.eval={path}"]))
     validate(compose_config(overrides))
 
@@ -192,8 +228,21 @@ def test_prompts_without_metadata_stop_the_real_entry_before_a_model_is_built(tm
     cache = tmp_path / "cache"
     cache.mkdir()
     run = subprocess.run(
-        [sys.executable, "recipes/train.py", "reward=scene_geneval", "data=colors", f"model.cache_dir={cache}", f"output_dir={tmp_path / 'out'}"],
-        capture_output=True, text=True, cwd=Path(__file__).parents[2], timeout=300,
+        [
+            sys.executable,
+            "recipes/train.py",
+            "reward=scene_geneval",
+            "data=colors",
+            f"model.cache_dir={cache}",
+            f"output_dir={tmp_path / 'out'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[2],
+        timeout=300,
     )
-    assert run.returncode != 0 and "colors_train.txt, line 1: reward.components.scene_geneval needs scene metadata" in run.stderr + run.stdout
+    assert (
+        run.returncode != 0
+        and "colors_train.txt, line 1: reward.components.scene_geneval needs scene metadata" in run.stderr + run.stdout
+    )
     assert not any(cache.iterdir())

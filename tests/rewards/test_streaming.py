@@ -12,7 +12,9 @@ from omni.rewards.base import RewardUnavailable
 from omni.rewards.streaming import StreamedScores
 
 # channels-last, as a VAE decodes them: a mean's rounding depends on the strides
-IMAGES = torch.rand(8, 3, 16, 16, generator=torch.Generator().manual_seed(0)).contiguous(memory_format=torch.channels_last)
+IMAGES = torch.rand(8, 3, 16, 16, generator=torch.Generator().manual_seed(0)).contiguous(
+    memory_format=torch.channels_last
+)
 PROMPTS = [f"prompt {i}" for i in range(8)]
 
 
@@ -20,7 +22,9 @@ def test_parts_give_the_scores_of_scoring_afterwards():
     reward = WeightedReward({"brightness": {"batch_size": 2, "weight": 0.3}, "jpeg_compressibility": {"weight": 0.7}})
     calls = []
     score = reward.rewards["brightness"].score
-    reward.rewards["brightness"].score = lambda images, prompts: calls.append((list(prompts), threading.current_thread().name)) or score(images, prompts)
+    reward.rewards["brightness"].score = lambda images, prompts: (
+        calls.append((list(prompts), threading.current_thread().name)) or score(images, prompts)
+    )
     afterwards = reward(IMAGES, PROMPTS, part=3)
     batches = [p for p, _ in calls]
     calls.clear()

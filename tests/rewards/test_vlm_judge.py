@@ -19,7 +19,9 @@ from omni.rewards.protocol import quantize
 from omni.rewards.vlm_judge import VlmJudge
 from tests.servers import uvicorn_server
 
-IMAGES = torch.rand(4, 3, 16, 16, generator=torch.Generator().manual_seed(0)) * torch.tensor([0.2, 0.5, 0.8, 1.0]).view(4, 1, 1, 1)
+IMAGES = torch.rand(4, 3, 16, 16, generator=torch.Generator().manual_seed(0)) * torch.tensor([0.2, 0.5, 0.8, 1.0]).view(
+    4, 1, 1, 1
+)
 PROMPTS = ["a red cat", "a dark room", "an unsure sky", "a lamp"]
 
 
@@ -40,13 +42,23 @@ def chat_app(seen):
         png = base64.b64decode(image_part["image_url"]["url"].split(",", 1)[1])
         brightness = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).mean() / 255
         answer = "I cannot tell." if "unsure" in text_part["text"] else f"Score: {brightness * 10:.4f}"
-        return {"object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": answer}}]}
+        return {
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer}}],
+        }
 
     return app
 
 
 def judge(url, **options):
-    options = {"url": f"{url}/v1", "model": "brightness-judge", "retries": 1, "backoff_s": 0.01, "concurrency": 2, **options}
+    options = {
+        "url": f"{url}/v1",
+        "model": "brightness-judge",
+        "retries": 1,
+        "backoff_s": 0.01,
+        "concurrency": 2,
+        **options,
+    }
     reward = VlmJudge("vlm_judge", reward_options("vlm_judge", options))
     reward.setup()
     return reward
@@ -67,7 +79,9 @@ def test_scores_parsed_scaled_and_unparseable_counted(caplog):
 
 def test_unserved_model_fails_at_setup():
     with uvicorn_server(chat_app([])) as url:
-        with pytest.raises(ValueError, match=r"reward.components.vlm_judge.model=qwen: .*/v1 serves \['brightness-judge'\]"):
+        with pytest.raises(
+            ValueError, match=r"reward.components.vlm_judge.model=qwen: .*/v1 serves \['brightness-judge'\]"
+        ):
             judge(url, model="qwen")
 
 
@@ -84,7 +98,9 @@ def test_bad_chat_answers_are_retried_then_named():
         return {"choices": []}
 
     with uvicorn_server(app) as url:
-        with pytest.raises(RewardUnavailable, match="POST .*/v1/chat/completions failed 2 times.*not a chat completion"):
+        with pytest.raises(
+            RewardUnavailable, match="POST .*/v1/chat/completions failed 2 times.*not a chat completion"
+        ):
             judge(url).score(IMAGES[:1], PROMPTS[:1])
     assert len(calls) == 2
 
@@ -95,7 +111,10 @@ def test_bad_chat_answers_are_retried_then_named():
         ({"question": "Rate {image}"}, "question: only {prompt}"),
         ({"score_pattern": r"\d+"}, "score_pattern=.*: needs a group"),
         ({"score_pattern": "("}, "score_pattern=\\(:"),
-        ({"api_key_env": "OMNI_TEST_UNSET_KEY"}, "api_key_env=OMNI_TEST_UNSET_KEY: that environment variable is not set"),
+        (
+            {"api_key_env": "OMNI_TEST_UNSET_KEY"},
+            "api_key_env=OMNI_TEST_UNSET_KEY: that environment variable is not set",
+        ),
     ],
 )
 def test_bad_options_are_named(options, message):

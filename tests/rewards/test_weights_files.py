@@ -5,8 +5,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from omni.validation import ConfigError, validate
 from omni.rewards.weights_files import weights_problem
+from omni.validation import ConfigError, validate
 from tests.conftest import compose_config
 from tests.data.damage import truncate
 from tests.rewards.tiny_clip import build_tiny_clip, save_aesthetic_head
@@ -24,10 +24,16 @@ def _flip_middle_byte(path):
 
 
 def _aesthetic(clip_dir, head, tmp_path):
-    return ["reward=aesthetic", f"reward.components.aesthetic.path={clip_dir}", f"reward.components.aesthetic.head_path={head}"]
+    return [
+        "reward=aesthetic",
+        f"reward.components.aesthetic.path={clip_dir}",
+        f"reward.components.aesthetic.head_path={head}",
+    ]
 
 
-@pytest.mark.parametrize("suffix, damage", [(".pth", "truncate"), (".pth", "flip"), (".safetensors", "truncate"), (".safetensors", "header")])
+@pytest.mark.parametrize(
+    "suffix, damage", [(".pth", "truncate"), (".pth", "flip"), (".safetensors", "truncate"), (".safetensors", "header")]
+)
 def test_damaged_aesthetic_head_is_named_at_validation(clip_dir, tmp_path, suffix, damage):
     head = save_aesthetic_head(tmp_path / "head.pth", embedding_size=16)
     if suffix == ".safetensors":
@@ -40,7 +46,10 @@ def test_damaged_aesthetic_head_is_named_at_validation(clip_dir, tmp_path, suffi
         _flip_middle_byte(head)
     else:
         head.write_bytes(head.read_bytes()[:8] + b"{not json" + head.read_bytes()[17:])
-    with pytest.raises(ConfigError, match=rf"reward.components.aesthetic.head_path={head}: reward 'aesthetic' cannot use this weights file"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"reward.components.aesthetic.head_path={head}: reward 'aesthetic' cannot use this weights file",
+    ):
         validate(compose_config(_aesthetic(clip_dir, head, tmp_path), tmp_path))
 
 
@@ -51,7 +60,10 @@ def test_truncated_weights_in_a_clip_model_directory_are_named(clip_dir, tmp_pat
     shutil.copytree(clip_dir, damaged)
     weights = next(damaged.glob("*.safetensors"))
     truncate(weights, 0.9)
-    with pytest.raises(ConfigError, match=rf"reward.components.pickscore.path={damaged}: reward 'pickscore' cannot use its weights file {weights}: .*truncated"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"reward.components.pickscore.path={damaged}: reward 'pickscore' cannot use its weights file {weights}: .*truncated",
+    ):
         validate(compose_config(["reward=pickscore", f"reward.components.pickscore.path={damaged}"], tmp_path))
 
 
@@ -60,5 +72,7 @@ def test_truncated_hps_checkpoint_is_named(tmp_path):
     torch.save({"state_dict": {"w": torch.randn(64, 64)}}, checkpoint)
     assert weights_problem(checkpoint) is None
     truncate(checkpoint, 0.5)
-    with pytest.raises(ConfigError, match=rf"reward.components.hpsv2.path={checkpoint}: reward 'hpsv2' cannot use this weights file"):
+    with pytest.raises(
+        ConfigError, match=rf"reward.components.hpsv2.path={checkpoint}: reward 'hpsv2' cannot use this weights file"
+    ):
         validate(compose_config(["reward=hpsv2", f"reward.components.hpsv2.path={checkpoint}"], tmp_path))

@@ -25,9 +25,15 @@ def build_tiny_clip(directory: Path, seed: int = 0, projection_dim: int = 16) ->
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     vocab = byte_level_vocab()
-    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, projection_dim=projection_dim)
-    text = dict(tower, vocab_size=len(vocab), max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1)
-    config = CLIPConfig(text_config=text, vision_config=dict(tower, image_size=32, patch_size=8), projection_dim=projection_dim)
+    tower = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, projection_dim=projection_dim
+    )
+    text = dict(
+        tower, vocab_size=len(vocab), max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1
+    )
+    config = CLIPConfig(
+        text_config=text, vision_config=dict(tower, image_size=32, patch_size=8), projection_dim=projection_dim
+    )
     torch.manual_seed(seed)
     CLIPModel(config).save_pretrained(directory)
     tokenizer = CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)

@@ -23,7 +23,9 @@ LORA = LoraConfig(rank=4, alpha=8.0, target_modules=list(FAMILY.lora_targets))
 
 
 def options(**overrides) -> SamplingOptions:
-    values = dict(num_steps=4, resolution=64, guidance_scale=1.0, noise_level=0.7, max_sequence_length=16, sde_steps=(0, 4))
+    values = dict(
+        num_steps=4, resolution=64, guidance_scale=1.0, noise_level=0.7, max_sequence_length=16, sde_steps=(0, 4)
+    )
     return SamplingOptions(**{**values, **overrides})
 
 
@@ -37,7 +39,10 @@ def random_lora(transformer, seed: int = 0, lora: LoraConfig = LORA):
     probe = type(transformer).from_config(transformer.config)
     inject_adapter_in_model(peft_lora_config(lora), probe, adapter_name=lora.adapter_name)
     generator = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(p.shape, generator=generator) * 0.2 for name, p in lora_tensors(probe, lora.adapter_name).items()}
+    return {
+        name: torch.randn(p.shape, generator=generator) * 0.2
+        for name, p in lora_tensors(probe, lora.adapter_name).items()
+    }
 
 
 def actor_log_probs(transformer, cond, opts: SamplingOptions, latents, sigmas, family=FAMILY) -> torch.Tensor:
@@ -46,20 +51,26 @@ def actor_log_probs(transformer, cond, opts: SamplingOptions, latents, sigmas, f
     from omni.rollout.base import RolloutBatch
     from omni.rollout.sampling import rescore_log_probs
 
-    batch = RolloutBatch([""] * len(latents), None, latents, torch.zeros(len(latents), opts.num_steps), sigmas, cond, opts)
+    batch = RolloutBatch(
+        [""] * len(latents), None, latents, torch.zeros(len(latents), opts.num_steps), sigmas, cond, opts
+    )
     return rescore_log_probs(family, transformer, batch, next(transformer.parameters()).dtype)
 
 
 def od_config(model_path, load_base: bool = True, dtype=torch.float32):
     """The fields of vLLM-Omni's OmniDiffusionConfig our pipeline reads."""
-    return SimpleNamespace(model=str(model_path), dtype=dtype, custom_pipeline_args={"family": "sd3", "load_base": load_base})
+    return SimpleNamespace(
+        model=str(model_path), dtype=dtype, custom_pipeline_args={"family": "sd3", "load_base": load_base}
+    )
 
 
 @pytest.fixture
 def diffusers_engine(tiny_sd3_dir):
     from omni.rollout.diffusers_engine import load_diffusers_engine
 
-    return load_diffusers_engine(FAMILY, tiny_sd3_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=True)
+    return load_diffusers_engine(
+        FAMILY, tiny_sd3_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=True
+    )
 
 
 @pytest.fixture
@@ -68,7 +79,9 @@ def flux_engine(tiny_flux_dir):
     from omni.models.flux import FAMILY as FLUX
     from omni.rollout.diffusers_engine import load_diffusers_engine
 
-    return load_diffusers_engine(FLUX, tiny_flux_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=True)
+    return load_diffusers_engine(
+        FLUX, tiny_flux_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=True
+    )
 
 
 @pytest.fixture
@@ -77,4 +90,6 @@ def qwen_engine(tiny_qwen_image_dir):
     from omni.models.qwen_image import FAMILY as QWEN
     from omni.rollout.diffusers_engine import load_diffusers_engine
 
-    return load_diffusers_engine(QWEN, tiny_qwen_image_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=True)
+    return load_diffusers_engine(
+        QWEN, tiny_qwen_image_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=True
+    )

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from omni.algorithms import flow_grpo
-from omni.validation import validate
 from omni.context import step_seeds
 from omni.models.sd3 import FAMILY
+from omni.validation import validate
 from tests.conftest import compose_config, training_options
 
 PROMPTS = ["a red cat", "a blue dog"]
@@ -21,7 +21,12 @@ def worker(tiny_cache, tmp_path_factory):
 
     # an engine with its own copy, as a separate engine process has: its LoRA must compute
     # as the actor's does (shared by default, the two are one module)
-    overrides = [f"model.cache_dir={tiny_cache}", "model.dtype=bfloat16", "trainer.micro_batch_size=64", "rollout.share_actor=false"]
+    overrides = [
+        f"model.cache_dir={tiny_cache}",
+        "model.dtype=bfloat16",
+        "trainer.micro_batch_size=64",
+        "rollout.share_actor=false",
+    ]
     cfg = validate(compose_config(overrides, tmp_path_factory.mktemp("run")))
     worker = ActorRolloutWorker(cfg, model_path(cfg.model))
     worker.setup()
@@ -66,7 +71,11 @@ def recomputed_log_probs(transformer, batch):
     std = batch.options.noise_level * torch.sqrt(s / (1 - torch.where(s >= 1, torch.full_like(s, sigma_max), s)))
     mean = x * (1 + std**2 / (2 * s) * dt) + velocity * (1 + std**2 * (1 - s) / (2 * s)) * dt
     scale = std * torch.sqrt(-dt)
-    log_p = -((x_next - mean) ** 2) / (2 * scale**2) - torch.log(scale) - 0.5 * torch.log(torch.tensor(2 * torch.pi, dtype=torch.float64))
+    log_p = (
+        -((x_next - mean) ** 2) / (2 * scale**2)
+        - torch.log(scale)
+        - 0.5 * torch.log(torch.tensor(2 * torch.pi, dtype=torch.float64))
+    )
     return log_p.mean(dim=(1, 2, 3))
 
 

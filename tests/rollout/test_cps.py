@@ -17,7 +17,9 @@ def test_mean_and_scale_hand_computed():
     assert math.isclose(float(scale), 0.6 * math.sqrt(0.5), rel_tol=1e-6)
     drawn, log_prob, _, _ = sde_step(v, x, 0.8, 0.6, 0.95, 0.5, noise=torch.ones(1, 1, 1, 1), sde_type="cps")
     assert math.isclose(drawn.item(), mean.item() + 0.6 * math.sqrt(0.5), rel_tol=1e-6)
-    assert math.isclose(log_prob.item(), -0.5 - math.log(0.6 * math.sqrt(0.5)) - 0.5 * math.log(2 * math.pi), rel_tol=1e-6)
+    assert math.isclose(
+        log_prob.item(), -0.5 - math.log(0.6 * math.sqrt(0.5)) - 0.5 * math.log(2 * math.pi), rel_tol=1e-6
+    )
 
 
 def test_the_step_keeps_the_marginal_coefficients():

@@ -10,10 +10,10 @@ import time
 import fastapi
 import pytest
 
-from omni.rollout.vllm_options import VllmOptions
 from omni.distributed import free_port
 from omni.rollout.engine_client import EngineClient, EngineError, EngineUnreachable
 from omni.rollout.transport import pack
+from omni.rollout.vllm_options import VllmOptions
 from tests.servers import dropping_server, uvicorn_server
 
 OPTIONS = VllmOptions(retries=2, backoff_s=0.05, max_backoff_s=1.0, request_timeout=5.0)
@@ -83,6 +83,8 @@ def test_a_slow_engine_is_not_asked_twice():
         return fastapi.Response(pack(), media_type="application/octet-stream")
 
     with uvicorn_server(app) as url:
-        with pytest.raises(EngineUnreachable, match="failed 1 time .*no answer within 0.3 s \\(rollout.options.request_timeout\\)"):
+        with pytest.raises(
+            EngineUnreachable, match="failed 1 time .*no answer within 0.3 s \\(rollout.options.request_timeout\\)"
+        ):
             EngineClient(url, VllmOptions(retries=2, backoff_s=0.0, request_timeout=0.3)).post("generate", pack())
     assert len(seen) == 1

@@ -21,8 +21,14 @@ def test_every_plain_name_has_its_own_target():
     fused = {t for t in targets.values() if t[1] is not None}
     # the tiny SD3 has 2 blocks: to_q/k/v and add_q/k/v_proj, weight and bias, in each
     assert len(fused) == 2 * 2 * 6
-    assert native_name("sd3", "transformer_blocks.1.attn.add_k_proj.bias") == ("transformer_blocks.1.attn.add_kv_proj.bias", "k")
-    assert native_name("sd3", "transformer_blocks.0.attn.to_out.0.weight") == ("transformer_blocks.0.attn.to_out.0.weight", None)
+    assert native_name("sd3", "transformer_blocks.1.attn.add_k_proj.bias") == (
+        "transformer_blocks.1.attn.add_kv_proj.bias",
+        "k",
+    )
+    assert native_name("sd3", "transformer_blocks.0.attn.to_out.0.weight") == (
+        "transformer_blocks.0.attn.to_out.0.weight",
+        None,
+    )
 
 
 def test_flux_double_and_single_blocks_fuse_their_projections():
@@ -33,8 +39,14 @@ def test_flux_double_and_single_blocks_fuse_their_projections():
     fused = {t for t in targets.values() if t[1] is not None}
     # one double block (6 projections) and one single block (3), weight and bias each
     assert len(fused) == 2 * (6 + 3)
-    assert native_name("flux", "single_transformer_blocks.0.attn.to_v.weight") == ("single_transformer_blocks.0.attn.to_qkv.weight", "v")
-    assert native_name("flux", "single_transformer_blocks.0.proj_mlp.weight") == ("single_transformer_blocks.0.proj_mlp.weight", None)
+    assert native_name("flux", "single_transformer_blocks.0.attn.to_v.weight") == (
+        "single_transformer_blocks.0.attn.to_qkv.weight",
+        "v",
+    )
+    assert native_name("flux", "single_transformer_blocks.0.proj_mlp.weight") == (
+        "single_transformer_blocks.0.proj_mlp.weight",
+        None,
+    )
     fused_names = sorted({target for target, _ in targets.values()})
     check_complete("flux", targets.values(), fused_names)
 
@@ -46,13 +58,24 @@ def test_qwen_image_fuses_both_streams_and_renames_its_output_projection():
     assert len(set(targets.values())) == len(QWEN_PLAIN)
     fused = {t for t in targets.values() if t[1] is not None}
     assert len(fused) == 2 * 2 * 6  # 2 blocks x (to_q/k/v, add_q/k/v_proj) x (weight, bias)
-    assert native_name("qwen_image", "transformer_blocks.1.attn.to_out.0.bias") == ("transformer_blocks.1.attn.to_out.bias", None)
-    assert native_name("qwen_image", "transformer_blocks.1.attn.to_add_out.weight") == ("transformer_blocks.1.attn.to_add_out.weight", None)
-    assert native_name("qwen_image", "transformer_blocks.0.img_mlp.net.0.proj.weight")[0] == "transformer_blocks.0.img_mlp.net.0.proj.weight"
+    assert native_name("qwen_image", "transformer_blocks.1.attn.to_out.0.bias") == (
+        "transformer_blocks.1.attn.to_out.bias",
+        None,
+    )
+    assert native_name("qwen_image", "transformer_blocks.1.attn.to_add_out.weight") == (
+        "transformer_blocks.1.attn.to_add_out.weight",
+        None,
+    )
+    assert (
+        native_name("qwen_image", "transformer_blocks.0.img_mlp.net.0.proj.weight")[0]
+        == "transformer_blocks.0.img_mlp.net.0.proj.weight"
+    )
     assert not any(".to_out.0." in target for target, _ in targets.values())
     check_complete("qwen_image", targets.values(), sorted({target for target, _ in targets.values()}))
     # a LoRA adapter's names and target modules take the same rename; SD3 keeps to_out.0
-    assert native_module("qwen_image", "base_model.model.transformer_blocks.0.attn.to_out.0.lora_A.weight").endswith("attn.to_out.lora_A.weight")
+    assert native_module("qwen_image", "base_model.model.transformer_blocks.0.attn.to_out.0.lora_A.weight").endswith(
+        "attn.to_out.lora_A.weight"
+    )
     assert native_module("qwen_image", "to_out.0") == "to_out" and native_module("sd3", "to_out.0") == "to_out.0"
 
 

@@ -7,14 +7,18 @@ import pytest
 import torch
 
 from omni.models.flux import FAMILY as FLUX
-from omni.models.qwen_image import FAMILY as QWEN
 from omni.models.native import unpacked_step_noise
+from omni.models.qwen_image import FAMILY as QWEN
 from omni.rollout.native_scheduler import FlowGRPOScheduler
 from tests.rollout.conftest import actor_log_probs, options
 
 PROMPTS = ["a red cat", "a blue dog", "a green tree"]
 SEEDS = [5, 6, 7]
-CASES = {"flow_grpo": options(), "cfg_window": options(guidance_scale=3.0, sde_steps=(1, 3)), "cps": options(sde_type="cps", sde_steps=(0, 3))}
+CASES = {
+    "flow_grpo": options(),
+    "cfg_window": options(guidance_scale=3.0, sde_steps=(1, 3)),
+    "cps": options(sde_type="cps", sde_steps=(0, 3)),
+}
 
 
 def sample_with_pipeline_loop(engine, opts, noise=unpacked_step_noise, **call):
@@ -25,9 +29,15 @@ def sample_with_pipeline_loop(engine, opts, noise=unpacked_step_noise, **call):
     try:
         pipe.scheduler.start_rollout(SEEDS, opts, noise)
         pipe(
-            prompt=PROMPTS, num_inference_steps=opts.num_steps, guidance_scale=opts.guidance_scale,
-            height=opts.resolution, width=opts.resolution, max_sequence_length=opts.max_sequence_length,
-            generator=[torch.Generator().manual_seed(s) for s in SEEDS], output_type="latent", **call,
+            prompt=PROMPTS,
+            num_inference_steps=opts.num_steps,
+            guidance_scale=opts.guidance_scale,
+            height=opts.resolution,
+            width=opts.resolution,
+            max_sequence_length=opts.max_sequence_length,
+            generator=[torch.Generator().manual_seed(s) for s in SEEDS],
+            output_type="latent",
+            **call,
         )
         return pipe.scheduler.finish_rollout()
     finally:
@@ -84,7 +94,10 @@ def test_outside_a_rollout_it_is_the_euler_scheduler(diffusers_engine):
     for scheduler in (base, ours):
         scheduler.set_timesteps(3)
     x, v = torch.randn(1, 4, 8, 8), torch.randn(1, 4, 8, 8)
-    assert torch.equal(ours.step(v, ours.timesteps[0], x, return_dict=False)[0], base.step(v, base.timesteps[0], x, return_dict=False)[0])
+    assert torch.equal(
+        ours.step(v, ours.timesteps[0], x, return_dict=False)[0],
+        base.step(v, base.timesteps[0], x, return_dict=False)[0],
+    )
 
 
 def test_a_loop_that_stops_early_is_an_error(diffusers_engine):

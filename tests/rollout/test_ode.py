@@ -18,7 +18,9 @@ def test_dpm2_step_hand_computed():
     DPM-Solver++(2M): x' = 0.5 x + 0.5 ((1 + k) D - k D_prev), k = 1 / (2 r) = log 3.5 / (2 log(8/3))."""
     solver = ODESolver("dpm2")
     first = solver.step(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 0.6]), 0.8, 0.6)
-    assert torch.equal(first, ode_step(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 0.6]), 0.8, 0.6))  # no history: Euler
+    assert torch.equal(
+        first, ode_step(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 0.6]), 0.8, 0.6)
+    )  # no history: Euler
     x_next = solver.step(torch.tensor([0.5, 1.5]), torch.tensor([1.0, -2.0]), 0.6, 0.3)
     k = math.log(3.5) / (2 * math.log(8 / 3))  # 0.638625...
     expected = [0.5 * 1.0 + 0.5 * ((1 + k) * 0.7 - k * 0.2), 0.5 * -2.0 + 0.5 * ((1 + k) * -2.9 - k * -1.0)]

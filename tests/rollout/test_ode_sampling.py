@@ -19,7 +19,10 @@ def test_dpm2_changes_only_the_ode_steps_after_the_window(diffusers_engine):
     """Window [0, 2): the SDE steps start from the same noise, so their latents and log-probs
     are the solver's to leave alone; step 2, the first ODE step after the SDE, is first order
     (no history), so it is Euler's; step 3 is the first second-order step. ODE steps score 0."""
-    euler, dpm2 = sample(diffusers_engine, sde_steps=(0, 2)), sample(diffusers_engine, sde_steps=(0, 2), ode_solver="dpm2")
+    euler, dpm2 = (
+        sample(diffusers_engine, sde_steps=(0, 2)),
+        sample(diffusers_engine, sde_steps=(0, 2), ode_solver="dpm2"),
+    )
     assert torch.equal(dpm2.log_probs[:, :2], euler.log_probs[:, :2]) and torch.all(dpm2.log_probs[:, :2] != 0)
     assert torch.all(dpm2.log_probs[:, 2:] == 0) and torch.all(euler.log_probs[:, 2:] == 0)
     assert torch.equal(dpm2.latents[:, :4], euler.latents[:, :4])
@@ -47,6 +50,12 @@ def test_stored_window_rescores_to_its_log_probs(diffusers_engine):
         with torch.no_grad():
             velocity = FAMILY.predict_velocity(pipe.transformer, batch.latents[:, i], sigma, batch.cond, 1.0)
         _, log_prob, _, _ = sde_step(
-            velocity, batch.latents[:, i], batch.sigmas[i], batch.sigmas[i + 1], float(batch.sigmas[1]), 0.7, next_sample=batch.latents[:, i + 1]
+            velocity,
+            batch.latents[:, i],
+            batch.sigmas[i],
+            batch.sigmas[i + 1],
+            float(batch.sigmas[1]),
+            0.7,
+            next_sample=batch.latents[:, i + 1],
         )
         assert (log_prob - batch.log_probs[:, i]).abs().max() < 1e-5

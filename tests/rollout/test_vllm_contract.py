@@ -8,7 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("vllm_omni", reason="vLLM-Omni is not installed here (it lives in the engine env: scripts/install_vllm_engine.sh)")
+pytest.importorskip(
+    "vllm_omni", reason="vLLM-Omni is not installed here (it lives in the engine env: scripts/install_vllm_engine.sh)"
+)
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig  # noqa: E402
 from vllm_omni.diffusion.output_formatter import format_diffusion_outputs, normalize_diffusion_postprocess_output  # noqa: E402
@@ -33,7 +35,11 @@ def real_requests(prompts, seeds, opts):
     requests = []
     for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
         prompt, sampling = request_inputs(prompt, seed, opts)
-        requests.append(OmniDiffusionRequest(prompt=prompt, sampling_params=OmniDiffusionSamplingParams(**sampling), request_id=f"r{i}"))
+        requests.append(
+            OmniDiffusionRequest(
+                prompt=prompt, sampling_params=OmniDiffusionSamplingParams(**sampling), request_id=f"r{i}"
+            )
+        )
     return requests
 
 
@@ -57,7 +63,10 @@ def test_worker_extension_builds_custom_pipelines():
 
     extension = resolve_obj_by_qualname(WORKER_EXTENSION_CLASS)
     assert issubclass(extension, CustomPipelineWorkerExtension)
-    assert all(callable(getattr(extension, m)) for m in ("omni_sync_weights", "omni_has_base", "omni_encode_prompts", "re_init_pipeline"))
+    assert all(
+        callable(getattr(extension, m))
+        for m in ("omni_sync_weights", "omni_has_base", "omni_encode_prompts", "re_init_pipeline")
+    )
 
 
 def test_pipeline_answers_a_real_batch_through_the_real_formatter(tiny_sd3_dir):
@@ -77,7 +86,10 @@ def test_pipeline_answers_a_real_batch_through_the_real_formatter(tiny_sd3_dir):
     for request, output, fields in zip(requests, outputs, emulated):
         data = post_process(output.output)
         (formatted,) = format_diffusion_outputs(
-            request=request, od_config=config, diffusion_output=output, output_data=data,
+            request=request,
+            od_config=config,
+            diffusion_output=output,
+            output_data=data,
             postprocess_output=normalize_diffusion_postprocess_output(data),
         )
         got, want = result_from_output(formatted), result_from_output(emulate_request_output(fields))

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from omni.config.model import LoraConfig
-from omni.rollout.vllm_options import VllmOptions
 from omni.models import get_family
 from omni.rollout.vllm_engine import VllmEngine
+from omni.rollout.vllm_options import VllmOptions
 from omni.weights import plain_base_names
 from tests.rollout.conftest import actor_log_probs, options, random_lora
 
@@ -38,7 +38,9 @@ LOG_PROB_TOLERANCE = {"vllm": 1e-5, "native": 1e-4}
 
 def assert_same_rollout(got, expected, backend):
     difference = float((got.log_probs - expected.log_probs).abs().max())
-    print(f"{backend}: largest log-prob difference {difference:.2e}, latents {float((got.latents - expected.latents).abs().max()):.2e}")
+    print(
+        f"{backend}: largest log-prob difference {difference:.2e}, latents {float((got.latents - expected.latents).abs().max()):.2e}"
+    )
     assert difference <= LOG_PROB_TOLERANCE[backend]
     assert (got.latents - expected.latents).abs().max() <= 1e-4
     # the engine env decodes with its own diffusers release (vLLM-Omni pins 0.40)
@@ -52,7 +54,13 @@ CASES = {
     "vllm-sd3": ("vllm", "sd3", "tiny_sd3_dir", "diffusers_engine", options(guidance_scale=3.0, sde_steps=(1, 3))),
     "native-sd3": ("native", "sd3", "tiny_sd3_dir", "diffusers_engine", options(guidance_scale=3.0, sde_steps=(1, 3))),
     "native-flux": ("native", "flux", "tiny_flux_dir", "flux_engine", options(guidance_scale=3.5, sde_steps=(1, 3))),
-    "native-qwen_image": ("native", "qwen_image", "tiny_qwen_image_dir", "qwen_engine", options(guidance_scale=3.0, sde_steps=(1, 3))),
+    "native-qwen_image": (
+        "native",
+        "qwen_image",
+        "tiny_qwen_image_dir",
+        "qwen_engine",
+        options(guidance_scale=3.0, sde_steps=(1, 3)),
+    ),
 }
 
 
@@ -67,10 +75,14 @@ def test_real_engine_samples_log_probs_and_takes_a_lora(case, request, tmp_path)
     print(f"{case} engine started in {time.perf_counter() - start:.1f} s")
     try:
         assert engine.client.health()["backend"] == backend and not engine.has_base
-        engine.update_weights({k: v.detach() for k, v in plain_base_names(diffusers_engine.transformer).items()}, False, None)
+        engine.update_weights(
+            {k: v.detach() for k, v in plain_base_names(diffusers_engine.transformer).items()}, False, None
+        )
         assert engine.has_base
         for sampling in (options(), guided):
-            assert_same_rollout(engine.generate(PROMPTS, SEEDS, sampling), diffusers_engine.generate(PROMPTS, SEEDS, sampling), backend)
+            assert_same_rollout(
+                engine.generate(PROMPTS, SEEDS, sampling), diffusers_engine.generate(PROMPTS, SEEDS, sampling), backend
+            )
         before = engine.generate(PROMPTS, SEEDS, options())
         # the family's LoRA targets (Qwen-Image's include to_out.0, which vLLM-Omni names to_out)
         config = LoraConfig(rank=4, alpha=8.0, target_modules=list(family.lora_targets))
@@ -83,11 +95,17 @@ def test_real_engine_samples_log_probs_and_takes_a_lora(case, request, tmp_path)
         # the actor's own re-scoring of what the engine sampled (diffusers' transformer, PEFT
         # LoRA; guided: with the negative conditioning the engine returned)
         for sampling, rollout in ((options(), after), (guided, engine.generate(PROMPTS, SEEDS, guided))):
-            rescored = actor_log_probs(diffusers_engine.transformer, rollout.cond, sampling, rollout.latents, rollout.sigmas, family)
+            rescored = actor_log_probs(
+                diffusers_engine.transformer, rollout.cond, sampling, rollout.latents, rollout.sigmas, family
+            )
             difference = float((rescored - rollout.log_probs).abs().max())
-            print(f"{backend}: largest difference to the actor's log-probs (guidance {sampling.guidance_scale}) {difference:.2e}")
+            print(
+                f"{backend}: largest difference to the actor's log-probs (guidance {sampling.guidance_scale}) {difference:.2e}"
+            )
             assert difference <= LOG_PROB_TOLERANCE[backend]
-        assert torch.allclose(engine.encode_images(after.images), diffusers_engine.encode_images(after.images), atol=1e-4)
+        assert torch.allclose(
+            engine.encode_images(after.images), diffusers_engine.encode_images(after.images), atol=1e-4
+        )
     finally:
         process = engine.process
         engine.shutdown()

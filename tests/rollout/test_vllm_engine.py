@@ -9,13 +9,13 @@ import time
 import pytest
 import torch
 
-from omni.rollout.vllm_options import VllmOptions
-from omni.validation import ConfigError, validate
 from omni.algorithms import flow_grpo
 from omni.models.sd3 import FAMILY, build_tiny_transformer
 from omni.rollout.engine_client import EngineClient
 from omni.rollout.vllm_engine import VllmEngine, engine_unavailable, vllm_options
+from omni.rollout.vllm_options import VllmOptions
 from omni.rollout.vllm_protocol import batch_to_tensors
+from omni.validation import ConfigError, validate
 from omni.weights import plain_base_names
 from tests.conftest import compose_config
 from tests.rollout.conftest import LORA, options, random_lora
@@ -44,7 +44,9 @@ def test_missing_engine_fails_at_validation_saying_what_to_install(no_engine_env
 def test_a_local_backend_validates_without_the_engine_env(no_engine_env, tiny_cache, tmp_path):
     """(Attaching by rollout.options.url needs no engine env either, but an engine that answers:
     tests/config/test_engine_probe.py.)"""
-    cfg = validate(compose_config(["rollout=vllm", "rollout.options.backend=local", f"model.cache_dir={tiny_cache}"], tmp_path))
+    cfg = validate(
+        compose_config(["rollout=vllm", "rollout.options.backend=local", f"model.cache_dir={tiny_cache}"], tmp_path)
+    )
     assert cfg.rollout.engine == "vllm"
 
 
@@ -53,24 +55,41 @@ def test_bad_options_are_named(no_engine_env):
     assert "rollout.options.url=engine:8765" in engine_unavailable(VllmOptions(url="engine:8765"))
     assert "rollout.options.backend=tpu" in engine_unavailable(VllmOptions(backend="tpu"))
     assert "rollout.options.retries=-1 must be >= 0" in engine_unavailable(VllmOptions(backend="local", retries=-1))
-    assert "rollout.options.request_timeout=0 must be positive" in engine_unavailable(VllmOptions(url="http://x:1", request_timeout=0))
+    assert "rollout.options.request_timeout=0 must be positive" in engine_unavailable(
+        VllmOptions(url="http://x:1", request_timeout=0)
+    )
     with pytest.raises(ValueError, match="unknown \\['ur'\\]"):
         vllm_options({"ur": "http://x"})
 
 
 def test_bad_retry_options_fail_validation_naming_the_key(tiny_cache, tmp_path):
-    cfg = compose_config(["rollout=vllm", "rollout.options.backend=local", "rollout.options.backoff_s=-1", f"model.cache_dir={tiny_cache}"], tmp_path)
+    cfg = compose_config(
+        [
+            "rollout=vllm",
+            "rollout.options.backend=local",
+            "rollout.options.backoff_s=-1",
+            f"model.cache_dir={tiny_cache}",
+        ],
+        tmp_path,
+    )
     with pytest.raises(ConfigError, match="rollout.options.backoff_s=-1.0 must be >= 0"):
         validate(cfg)
 
 
 def test_native_backend_refuses_a_family_it_does_not_extend(tiny_cache, tmp_path):
     """Refused from the family alone, before any engine env is looked at."""
-    cfg = compose_config(["rollout=vllm", "model=wan_tiny", "rollout.options.backend=native", f"model.cache_dir={tiny_cache}"], tmp_path)
+    cfg = compose_config(
+        ["rollout=vllm", "model=wan_tiny", "rollout.options.backend=native", f"model.cache_dir={tiny_cache}"], tmp_path
+    )
     with pytest.raises(ConfigError) as info:
         validate(cfg)
     message = str(info.value)
-    for hint in ("rollout.options.backend=native", f"model.family={cfg.model.family}", "supported: model.family in ['flux', 'qwen_image', 'sd3']", "vLLM-Omni 0.30.x"):
+    for hint in (
+        "rollout.options.backend=native",
+        f"model.family={cfg.model.family}",
+        "supported: model.family in ['flux', 'qwen_image', 'sd3']",
+        "vLLM-Omni 0.30.x",
+    ):
         assert hint in message
 
 
@@ -80,10 +99,14 @@ def test_native_backend_needs_vllm_omni_in_the_engine_env(no_engine_env):
 
 
 @pytest.mark.parametrize("model", ["flux_tiny", "qwen_image_tiny"])
-def test_native_backend_takes_flux_and_qwen_image_on_to_the_engine_env_check(model, no_engine_env, tiny_cache, tmp_path):
+def test_native_backend_takes_flux_and_qwen_image_on_to_the_engine_env_check(
+    model, no_engine_env, tiny_cache, tmp_path
+):
     """FLUX and Qwen-Image have native pipelines (though the `vllm` backend does not serve
     FLUX): what stops them here is the missing engine env, not their family."""
-    cfg = compose_config(["rollout=vllm", f"model={model}", "rollout.options.backend=native", f"model.cache_dir={tiny_cache}"], tmp_path)
+    cfg = compose_config(
+        ["rollout=vllm", f"model={model}", "rollout.options.backend=native", f"model.cache_dir={tiny_cache}"], tmp_path
+    )
     with pytest.raises(ConfigError) as info:
         validate(cfg)
     assert "scripts/install_vllm_engine.sh" in str(info.value) and "model.family" not in str(info.value)
@@ -97,7 +120,16 @@ def test_an_env_without_vllm_omni_is_refused(no_engine_env):
 def started_engine(tiny_sd3_dir, tmp_path_factory):
     """An engine process started without base weights, as rollout.load_base=false does."""
     run_dir = tmp_path_factory.mktemp("run")
-    engine = VllmEngine.start(FAMILY, VllmOptions(backend="local", startup_timeout=300), tiny_sd3_dir, torch.device("cpu"), torch.float32, 2, False, run_dir)
+    engine = VllmEngine.start(
+        FAMILY,
+        VllmOptions(backend="local", startup_timeout=300),
+        tiny_sd3_dir,
+        torch.device("cpu"),
+        torch.float32,
+        2,
+        False,
+        run_dir,
+    )
     yield engine
     engine.shutdown()
 
@@ -128,12 +160,23 @@ def test_engine_process_matches_diffusers_engine_across_syncs(started_engine, di
     latents = engine.encode_images(expected.images)
     assert torch.allclose(latents, diffusers_engine.encode_images(expected.images), atol=1e-5)
     cond = engine.encode_prompts(["a red cat"], 3.0, 16)
-    assert torch.allclose(cond.neg_embeds, diffusers_engine.encode_prompts(["a red cat"], 3.0, 16).neg_embeds, atol=1e-6)
+    assert torch.allclose(
+        cond.neg_embeds, diffusers_engine.encode_prompts(["a red cat"], 3.0, 16).neg_embeds, atol=1e-6
+    )
 
 
 @pytest.mark.slow
 def test_attached_engine_keeps_running_after_the_run(started_engine):
-    attached = VllmEngine.start(FAMILY, VllmOptions(url=started_engine.url), "unused", torch.device("cpu"), torch.float32, 2, True, started_engine.shared_dir)
+    attached = VllmEngine.start(
+        FAMILY,
+        VllmOptions(url=started_engine.url),
+        "unused",
+        torch.device("cpu"),
+        torch.float32,
+        2,
+        True,
+        started_engine.shared_dir,
+    )
     attached.shutdown()
     assert EngineClient(started_engine.url, VllmOptions()).health()["ok"]
 
@@ -145,7 +188,16 @@ def test_a_rollout_whose_connection_breaks_is_repeated_with_the_same_result(star
     an undisturbed call gets."""
     expected = batch_to_tensors(started_engine.generate(PROMPTS, SEEDS, options()))
     with breaking_proxy(started_engine.url, b"POST /generate ") as (url, seen):
-        attached = VllmEngine.start(FAMILY, VllmOptions(url=url, backoff_s=0.05), "unused", torch.device("cpu"), torch.float32, 2, True, started_engine.shared_dir)
+        attached = VllmEngine.start(
+            FAMILY,
+            VllmOptions(url=url, backoff_s=0.05),
+            "unused",
+            torch.device("cpu"),
+            torch.float32,
+            2,
+            True,
+            started_engine.shared_dir,
+        )
         got = batch_to_tensors(attached.generate(PROMPTS, SEEDS, options()))
         attached.shutdown()
     assert len(seen) == 2  # broken once, then answered
@@ -157,7 +209,9 @@ def test_a_rollout_whose_connection_breaks_is_repeated_with_the_same_result(star
 @pytest.mark.slow
 def test_engine_error_reaches_the_driver(started_engine):
     with pytest.raises(RuntimeError, match="has shape"):
-        started_engine.update_weights({k: torch.zeros(1) for k in plain_base_names(build_tiny_transformer())}, False, None)
+        started_engine.update_weights(
+            {k: torch.zeros(1) for k in plain_base_names(build_tiny_transformer())}, False, None
+        )
 
 
 def test_docs_describe_each_message_and_a_bad_one_is_refused_naming_the_field(started_engine):
@@ -173,14 +227,28 @@ def test_docs_describe_each_message_and_a_bad_one_is_refused_naming_the_field(st
     assert set(generate["x-omni-json-metadata"]["properties"]) == {"prompts", "seeds", "options"}
     sync = spec["paths"]["/update_weights"]["post"]["responses"]["200"]["content"]["application/octet-stream"]
     assert "has_base" in sync["x-omni-json-metadata"]["properties"]
-    assert {"has_base", "model", "family", "backend"} <= set(spec["components"]["schemas"]["EngineHealth"]["properties"])
-    with pytest.raises(EngineError, match=r"HTTP 422: /generate: the message's JSON does not fit GenerateMeta \(seeds: Field required; options.num_steps: Field"):
+    assert {"has_base", "model", "family", "backend"} <= set(
+        spec["components"]["schemas"]["EngineHealth"]["properties"]
+    )
+    with pytest.raises(
+        EngineError,
+        match=r"HTTP 422: /generate: the message's JSON does not fit GenerateMeta \(seeds: Field required; options.num_steps: Field",
+    ):
         started_engine.client.post("generate", pack(meta={"prompts": ["a red cat"], "options": {}}))
 
 
 @pytest.mark.slow
 def test_shutdown_stops_the_engine_process(tiny_sd3_dir, tmp_path):
-    engine = VllmEngine.start(FAMILY, VllmOptions(backend="local", startup_timeout=300), tiny_sd3_dir, torch.device("cpu"), torch.float32, 2, True, tmp_path)
+    engine = VllmEngine.start(
+        FAMILY,
+        VllmOptions(backend="local", startup_timeout=300),
+        tiny_sd3_dir,
+        torch.device("cpu"),
+        torch.float32,
+        2,
+        True,
+        tmp_path,
+    )
     process = engine.process
     assert engine.has_base and process.poll() is None
     engine.shutdown()
@@ -191,7 +259,16 @@ def test_shutdown_stops_the_engine_process(tiny_sd3_dir, tmp_path):
 @pytest.mark.slow
 def test_engine_that_dies_at_start_shows_its_log(tmp_path):
     with pytest.raises(RuntimeError, match="exited with code") as info:
-        VllmEngine.start(FAMILY, VllmOptions(backend="local", startup_timeout=120), tmp_path / "no-model", torch.device("cpu"), torch.float32, 2, True, tmp_path)
+        VllmEngine.start(
+            FAMILY,
+            VllmOptions(backend="local", startup_timeout=120),
+            tmp_path / "no-model",
+            torch.device("cpu"),
+            torch.float32,
+            2,
+            True,
+            tmp_path,
+        )
     assert "no-model" in str(info.value)
 
 
@@ -206,7 +283,9 @@ def test_engine_that_dies_at_start_shows_its_log(tmp_path):
     ],
     ids=["base_from_sync", "layered_summon", "full_finetuning"],
 )
-def test_worker_syncs_into_the_engine_process_and_rescores_exactly(overrides, syncs_at_setup, sync, tiny_cache, tmp_path, monkeypatch):
+def test_worker_syncs_into_the_engine_process_and_rescores_exactly(
+    overrides, syncs_at_setup, sync, tiny_cache, tmp_path, monkeypatch
+):
     """The worker's contract with a vLLM engine: the base first only when the engine started
     without it, LoRA after (with full fine-tuning: the whole transformer at every sync, none
     at set-up when the engine loaded it); the actor re-scores the engine's trajectories exactly."""
@@ -217,8 +296,14 @@ def test_worker_syncs_into_the_engine_process_and_rescores_exactly(overrides, sy
     written = []
     for name in ("write_base_weights", "write_lora_adapter"):
         real = getattr(vllm_engine, name)
-        monkeypatch.setattr(vllm_engine, name, lambda *a, _real=real, _kind=name.split("_")[1]: written.append(_kind) or _real(*a))
-    cfg = validate(compose_config(["rollout=vllm", "rollout.options.backend=local", *overrides, f"model.cache_dir={tiny_cache}"], tmp_path))
+        monkeypatch.setattr(
+            vllm_engine, name, lambda *a, _real=real, _kind=name.split("_")[1]: written.append(_kind) or _real(*a)
+        )
+    cfg = validate(
+        compose_config(
+            ["rollout=vllm", "rollout.options.backend=local", *overrides, f"model.cache_dir={tiny_cache}"], tmp_path
+        )
+    )
     worker = ActorRolloutWorker(cfg, model_path(cfg.model))
     worker.setup()
     try:
@@ -230,7 +315,12 @@ def test_worker_syncs_into_the_engine_process_and_rescores_exactly(overrides, sy
         worker.sync_weights()
         assert written[-1] == sync
         steps = cfg.rollout.num_steps
-        opts = options(num_steps=steps, resolution=cfg.rollout.resolution, guidance_scale=cfg.rollout.guidance_scale, sde_steps=(0, steps))
+        opts = options(
+            num_steps=steps,
+            resolution=cfg.rollout.resolution,
+            guidance_scale=cfg.rollout.guidance_scale,
+            sde_steps=(0, steps),
+        )
         batch = worker.generate(PROMPTS, SEEDS, opts)
         samples, rows = torch.arange(len(batch)).repeat_interleave(steps), torch.arange(steps).repeat(len(batch))
         with torch.no_grad():
@@ -249,7 +339,9 @@ def test_engine_stops_when_its_driver_dies(tiny_sd3_dir, tmp_path):
     port = free_port()
     server = [sys.executable, "-m", "omni.rollout.vllm_server", "--backend", "local", "--model", str(tiny_sd3_dir)]
     server += ["--port", str(port), "--dtype", "float32", "--exit-with-parent"]
-    driver = f"import subprocess, sys, time; p = subprocess.Popen({server!r}); print(p.pid, flush=True); time.sleep(600)"
+    driver = (
+        f"import subprocess, sys, time; p = subprocess.Popen({server!r}); print(p.pid, flush=True); time.sleep(600)"
+    )
     parent = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
     engine_pid = int(parent.stdout.readline())
     deadline = time.monotonic() + 120
@@ -295,14 +387,25 @@ def test_killed_engine_is_named_with_the_step_and_the_last_checkpoint(tiny_cache
 
     run_dir = tmp_path / "run"
     overrides = [
-        "rollout=vllm", "rollout.options.backend=local", "rollout.options.retries=0", "trainer.steps=4", "trainer.save_every=1",
-        "trainer.batch_size=4", "algorithm.group_size=2", "trainer.eval_images_per_prompt=1", "trainer.progress_bar=false",
+        "rollout=vllm",
+        "rollout.options.backend=local",
+        "rollout.options.retries=0",
+        "trainer.steps=4",
+        "trainer.save_every=1",
+        "trainer.batch_size=4",
+        "algorithm.group_size=2",
+        "trainer.eval_images_per_prompt=1",
+        "trainer.progress_bar=false",
         f"model.cache_dir={tiny_cache}",
     ]
     killed = []
 
     def engine_processes():
-        return {p.pid for p in psutil.Process().children(recursive=True) if "omni.rollout.vllm_server" in " ".join(p.cmdline())}
+        return {
+            p.pid
+            for p in psutil.Process().children(recursive=True)
+            if "omni.rollout.vllm_server" in " ".join(p.cmdline())
+        }
 
     others = engine_processes()  # engines of this module's other tests (their fixtures), left alone
 

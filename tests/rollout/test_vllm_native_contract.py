@@ -11,16 +11,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("vllm_omni", reason="vLLM-Omni is not installed here (it lives in the engine env: scripts/install_vllm_engine.sh)")
+pytest.importorskip(
+    "vllm_omni", reason="vLLM-Omni is not installed here (it lives in the engine env: scripts/install_vllm_engine.sh)"
+)
 
 from omni.distributed import free_port  # noqa: E402
-from omni.models.flux import TINY_TRANSFORMER as FLUX_TINY, image_ids  # noqa: E402
-from omni.models.qwen_image import FAMILY as QWEN, NEGATIVE_PROMPT, TINY_TRANSFORMER as QWEN_TINY, velocity  # noqa: E402
+from omni.models.flux import TINY_TRANSFORMER as FLUX_TINY  # noqa: E402
+from omni.models.flux import image_ids
+from omni.models.qwen_image import FAMILY as QWEN  # noqa: E402
+from omni.models.qwen_image import NEGATIVE_PROMPT, velocity
+from omni.models.qwen_image import TINY_TRANSFORMER as QWEN_TINY
 from omni.models.sd3 import build_tiny_transformer  # noqa: E402
 from omni.rollout.native_support import hook_problems, missing_hooks, request_guidance  # noqa: E402
 from omni.rollout.vllm_native import NativeRollout, keep_linear_weights, load_native_base, native_targets  # noqa: E402
 from omni.weights import plain_base_names  # noqa: E402
-
 
 # SD3 as built by the tiny builder, and with SD3.5's parts (RMS-normed q/k, a second
 # attention in the first blocks), which gpu_check_vllm.py's SD3.5-Medium shape has
@@ -31,7 +35,9 @@ SHAPES = {"sd3": {}, "sd3.5": {"qk_norm": "rms_norm", "dual_attention_layers": [
 def parallel_group():
     from vllm_omni.diffusion.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
 
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}", backend="gloo")
+    init_distributed_environment(
+        world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}", backend="gloo"
+    )
     initialize_model_parallel(backend="gloo")
 
 
@@ -61,7 +67,6 @@ def after_loading(module):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_base_names_fill_every_parameter_once_and_give_the_same_velocity(shape, tiny_sd3_dir, parallel_group):
     from vllm_omni.diffusion.forward_context import set_forward_context
-
     from vllm_omni.diffusion.models.sd3.sd3_transformer import SD3Transformer2DModel
 
     module, config = native_transformer(tiny_sd3_dir, SD3Transformer2DModel, SHAPES[shape])
@@ -73,8 +78,11 @@ def test_base_names_fill_every_parameter_once_and_give_the_same_velocity(shape, 
     after_loading(module)
     generator = torch.Generator().manual_seed(0)
     inputs = dict(
-        hidden_states=torch.randn(2, 4, 8, 8, generator=generator), encoder_hidden_states=torch.randn(2, 10, 64, generator=generator),
-        pooled_projections=torch.randn(2, 64, generator=generator), timestep=torch.tensor([900.0, 250.0]), return_dict=False,
+        hidden_states=torch.randn(2, 4, 8, 8, generator=generator),
+        encoder_hidden_states=torch.randn(2, 10, 64, generator=generator),
+        pooled_projections=torch.randn(2, 64, generator=generator),
+        timestep=torch.tensor([900.0, 250.0]),
+        return_dict=False,
     )
     with torch.no_grad(), set_forward_context(omni_diffusion_config=config):
         got = module(**inputs)[0]
@@ -100,9 +108,14 @@ def test_flux_base_names_fill_every_parameter_once_and_give_the_same_velocity(ti
     generator = torch.Generator().manual_seed(0)
     tokens, text = 16, 10
     inputs = dict(
-        hidden_states=torch.randn(2, tokens, 64, generator=generator), encoder_hidden_states=torch.randn(2, text, 64, generator=generator),
-        pooled_projections=torch.randn(2, 32, generator=generator), timestep=torch.tensor([0.9, 0.25]), guidance=torch.tensor([3.5, 3.5]),
-        txt_ids=torch.zeros(text, 3), img_ids=image_ids(tokens, "cpu", torch.float32), return_dict=False,
+        hidden_states=torch.randn(2, tokens, 64, generator=generator),
+        encoder_hidden_states=torch.randn(2, text, 64, generator=generator),
+        pooled_projections=torch.randn(2, 32, generator=generator),
+        timestep=torch.tensor([0.9, 0.25]),
+        guidance=torch.tensor([3.5, 3.5]),
+        txt_ids=torch.zeros(text, 3),
+        img_ids=image_ids(tokens, "cpu", torch.float32),
+        return_dict=False,
     )
     with torch.no_grad(), set_forward_context(omni_diffusion_config=config):
         got = module(**inputs)[0]
@@ -110,10 +123,14 @@ def test_flux_base_names_fill_every_parameter_once_and_give_the_same_velocity(ti
         other_guidance = reference(**{**inputs, "guidance": torch.tensor([1.0, 1.0])})[0]
     assert (got - want).abs().max() <= 1e-5 < (other_guidance - want).abs().max()
     with pytest.raises(KeyError, match="missing"):
-        load_native_base(module, "flux", {k: v for k, v in plain.items() if "single_transformer_blocks.0.attn.to_k" not in k})
+        load_native_base(
+            module, "flux", {k: v for k, v in plain.items() if "single_transformer_blocks.0.attn.to_k" not in k}
+        )
 
 
-def test_qwen_image_base_names_fill_every_parameter_once_and_give_the_same_velocity(tiny_qwen_image_dir, parallel_group):
+def test_qwen_image_base_names_fill_every_parameter_once_and_give_the_same_velocity(
+    tiny_qwen_image_dir, parallel_group
+):
     """Qwen-Image's fused q/k/v of both streams and its `to_out` (diffusers' `to_out.0`);
     `img_in`, registered twice, is filled once. vLLM-Omni's transformer, called as its loop
     calls it (a batch padded to its longest prompt, the mask, the padded width as text
@@ -127,7 +144,9 @@ def test_qwen_image_base_names_fill_every_parameter_once_and_give_the_same_veloc
     reference = QwenImageTransformer2DModel(**QWEN_TINY)
     plain = {k: v.detach() for k, v in plain_base_names(reference).items()}
     assert load_native_base(module, "qwen_image", plain) == len(plain)
-    assert "img_in.weight" in native_targets(module) and "image_rope_prepare.img_in.weight" not in native_targets(module)
+    assert "img_in.weight" in native_targets(module) and "image_rope_prepare.img_in.weight" not in native_targets(
+        module
+    )
     after_loading(module)
     generator = torch.Generator().manual_seed(0)
     latents, embeds = torch.randn(2, 16, 64, generator=generator), torch.randn(2, 10, 32, generator=generator)
@@ -137,8 +156,13 @@ def test_qwen_image_base_names_fill_every_parameter_once_and_give_the_same_veloc
     timestep = torch.tensor([0.9, 0.25])
     with torch.no_grad(), set_forward_context(omni_diffusion_config=config):
         got = module(
-            hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
-            img_shapes=[[(1, 4, 4)]] * 2, txt_seq_lens=[10, 10], return_dict=False,
+            hidden_states=latents,
+            timestep=timestep,
+            encoder_hidden_states=embeds,
+            encoder_hidden_states_mask=mask,
+            img_shapes=[[(1, 4, 4)]] * 2,
+            txt_seq_lens=[10, 10],
+            return_dict=False,
         )[0]
         want = velocity(reference, latents, timestep, embeds, mask)
     assert (got - want).abs().max() <= 1e-5
@@ -155,8 +179,14 @@ def test_qwen_image_requests_ask_for_true_cfg_on_the_negative_prompt():
     prompt_fields, sampling_fields = request_guidance("qwen_image", 3.0)
     params = OmniDiffusionSamplingParams(**sampling_fields)
     assert params.true_cfg_scale == 3.0
-    assert QwenImagePipeline._extract_prompts(None, [{"prompt": "a cat", **prompt_fields}]) == (["a cat"], [NEGATIVE_PROMPT])
-    assert QwenImagePipeline._extract_prompts(None, [{"prompt": "a cat", **request_guidance("qwen_image", 1.0)[0]}])[1] is None
+    assert QwenImagePipeline._extract_prompts(None, [{"prompt": "a cat", **prompt_fields}]) == (
+        ["a cat"],
+        [NEGATIVE_PROMPT],
+    )
+    assert (
+        QwenImagePipeline._extract_prompts(None, [{"prompt": "a cat", **request_guidance("qwen_image", 1.0)[0]}])[1]
+        is None
+    )
 
 
 def test_qwen_image_lora_adapters_are_renamed_for_its_to_out(tmp_path):
@@ -172,15 +202,22 @@ def test_qwen_image_lora_adapters_are_renamed_for_its_to_out(tmp_path):
 
     config = LoraConfig(rank=4, alpha=8.0, target_modules=list(QWEN.lora_targets))
     torch.manual_seed(0)
-    path = write_lora_adapter(tmp_path, "lora-1", random_lora(QwenImageTransformer2DModel(**QWEN_TINY), lora=config), config)
+    path = write_lora_adapter(
+        tmp_path, "lora-1", random_lora(QwenImageTransformer2DModel(**QWEN_TINY), lora=config), config
+    )
     pipeline = SimpleNamespace(family_name="qwen_image")
-    model, helper = NativeRollout._load_diffusion_lora_adapter(pipeline, LoRARequest("lora-1", 1, str(path)), str(path), torch.float32)
+    model, helper = NativeRollout._load_diffusion_lora_adapter(
+        pipeline, LoRARequest("lora-1", 1, str(path)), str(path), torch.float32
+    )
     assert "to_out" in helper.target_modules and "to_out.0" not in helper.target_modules
     assert _match_target_modules("transformer.transformer_blocks.0.attn.to_out", helper.target_modules)
     out = model.get_lora("transformer_blocks.0.attn.to_out")
     assert out is not None and out.lora_a.shape[0] == 4 and model.get_lora("transformer_blocks.0.attn.to_out.0") is None
     assert model.get_lora("transformer_blocks.1.attn.add_k_proj") is not None
-    assert NativeRollout._load_diffusion_lora_adapter(SimpleNamespace(family_name="sd3"), None, str(path), torch.float32) is None
+    assert (
+        NativeRollout._load_diffusion_lora_adapter(SimpleNamespace(family_name="sd3"), None, str(path), torch.float32)
+        is None
+    )
 
 
 def test_qwen_image_answers_survive_its_post_process(tiny_qwen_image_dir):
@@ -201,15 +238,30 @@ def test_qwen_image_answers_survive_its_post_process(tiny_qwen_image_dir):
     generator = torch.Generator().manual_seed(0)
     cond = QWEN.conditioning(torch.randn(1, 16, 32, generator=generator), torch.ones(1, 16, dtype=torch.long))
     latents, log_probs = torch.randn(1, 5, 16, 64, generator=generator), torch.randn(1, 4, generator=generator)
-    batch = RolloutBatch(["a cat"], torch.rand(1, 3, 64, 64, generator=generator), latents, log_probs, torch.linspace(1, 0, 5), cond, opts)
+    batch = RolloutBatch(
+        ["a cat"],
+        torch.rand(1, 3, 64, 64, generator=generator),
+        latents,
+        log_probs,
+        torch.linspace(1, 0, 5),
+        cond,
+        opts,
+    )
     output = DiffusionOutput(**output_fields(batch, 0, post_processed=True))
-    post_process = get_qwen_image_post_process_func(SimpleNamespace(output_type="latent", model=str(tiny_qwen_image_dir)))
+    post_process = get_qwen_image_post_process_func(
+        SimpleNamespace(output_type="latent", model=str(tiny_qwen_image_dir))
+    )
     prompt, sampling = request_inputs("a cat", 1, opts)
-    request = OmniDiffusionRequest(prompt=prompt, sampling_params=OmniDiffusionSamplingParams(**sampling), request_id="r0")
+    request = OmniDiffusionRequest(
+        prompt=prompt, sampling_params=OmniDiffusionSamplingParams(**sampling), request_id="r0"
+    )
     data = post_process(output.output)
     (formatted,) = format_diffusion_outputs(
-        request=request, od_config=SimpleNamespace(model_class_name="QwenImagePipeline"), diffusion_output=output,
-        output_data=data, postprocess_output=normalize_diffusion_postprocess_output(data),
+        request=request,
+        od_config=SimpleNamespace(model_class_name="QwenImagePipeline"),
+        diffusion_output=output,
+        output_data=data,
+        postprocess_output=normalize_diffusion_postprocess_output(data),
     )
     result = result_from_output(formatted)
     assert torch.equal(result["image"], batch.images[0]) and torch.equal(result["log_probs"], log_probs[0])

@@ -42,7 +42,9 @@ def request_batch(prompts, seeds, opts):
 
 def sample_through_pipeline(pipeline, prompts, seeds, opts):
     fields = pipeline.forward_fields(request_batch(prompts, seeds, opts))
-    return collate_results(prompts, [result_from_output(emulate_request_output(f)) for f in fields], opts, FAMILY.conditioning)
+    return collate_results(
+        prompts, [result_from_output(emulate_request_output(f)) for f in fields], opts, FAMILY.conditioning
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,9 @@ def synced(tiny_sd3_dir, tmp_path_factory):
     trained = build_tiny_transformer(seed=5)
     base = {k: v.detach() for k, v in plain_base_names(trained).items()}
     lora = random_lora(trained, seed=1)
-    engine = load_diffusers_engine(FAMILY, tiny_sd3_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=False)
+    engine = load_diffusers_engine(
+        FAMILY, tiny_sd3_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=False
+    )
     engine.update_weights(base, base_sync_done=False, lora=None)
     engine.update_weights(lora, base_sync_done=True, lora=LORA)
     pipeline = FlowGRPOPipeline(od_config=od_config(tiny_sd3_dir, load_base=False))
@@ -101,7 +105,10 @@ def test_requests_with_different_options_in_one_batch(synced):
     plain, window = CASES["flow_grpo"], CASES["sde_window"]
     batch = request_batch(PROMPTS[:2], SEEDS[:2], plain)
     other = request_batch(PROMPTS[2:], SEEDS[2:], window)
-    mixed = SimpleNamespace(prompts=batch.prompts + other.prompts, sampling_params_list=batch.sampling_params_list + other.sampling_params_list)
+    mixed = SimpleNamespace(
+        prompts=batch.prompts + other.prompts,
+        sampling_params_list=batch.sampling_params_list + other.sampling_params_list,
+    )
     fields = pipeline.forward_fields(mixed)
     results = [result_from_output(emulate_request_output(f)) for f in fields]
     expected = sample_through_pipeline(pipeline, PROMPTS[2:], SEEDS[2:], window)
@@ -128,7 +135,9 @@ def test_an_image_a_post_process_would_convert_rides_in_the_metadata(synced):
     fields = output_fields(batch, 1, post_processed=True)
     assert fields["output"]["payload"]["image"].shape == (1, *batch.images.shape[1:])  # a batch in [-1, 1]
     output = emulate_request_output(fields)
-    output.images = [(output.images[0][0] / 2 + 0.5).mul(255).round().byte().permute(1, 2, 0).numpy()]  # as a post-process leaves it
+    output.images = [
+        (output.images[0][0] / 2 + 0.5).mul(255).round().byte().permute(1, 2, 0).numpy()
+    ]  # as a post-process leaves it
     result, plain = result_from_output(output), result_from_output(emulate_request_output(output_fields(batch, 1)))
     assert torch.equal(result[IMAGE_KEY], batch.images[1]) and torch.equal(plain[IMAGE_KEY], batch.images[1])
     assert set(result) == set(plain)
@@ -140,11 +149,23 @@ def test_warm_up_request_without_our_options_samples_ode(tiny_sd3_dir):
     warm_up = SimpleNamespace(
         prompts=[{"prompt": "dummy run"}],
         sampling_params_list=[
-            SimpleNamespace(num_inference_steps=2, height=128, width=128, guidance_scale=0.0, max_sequence_length=None, seed=7, extra_args={})
+            SimpleNamespace(
+                num_inference_steps=2,
+                height=128,
+                width=128,
+                guidance_scale=0.0,
+                max_sequence_length=None,
+                seed=7,
+                extra_args={},
+            )
         ],
     )
     (fields,) = pipeline.forward_fields(warm_up)
-    assert torch.all(fields["trajectory_log_probs"] == 0) and fields["output"]["payload"]["image"].shape == (3, 128, 128)
+    assert torch.all(fields["trajectory_log_probs"] == 0) and fields["output"]["payload"]["image"].shape == (
+        3,
+        128,
+        128,
+    )
 
 
 def test_pipeline_refuses_checkpoint_weights_from_the_loader(tiny_sd3_dir):

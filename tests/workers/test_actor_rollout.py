@@ -10,8 +10,8 @@ from tests.conftest import compose_config, training_options
 
 
 def make_worker(tiny_cache, tmp_path, *overrides):
-    from omni.workers.actor_rollout import ActorRolloutWorker
     from omni.trainer import model_path
+    from omni.workers.actor_rollout import ActorRolloutWorker
 
     cfg = validate(compose_config([f"model.cache_dir={tiny_cache}", *overrides], tmp_path))
     worker = ActorRolloutWorker(cfg, model_path(cfg.model))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from omni.algorithms import flow_grpo
-from omni.validation import validate
 from omni.context import step_seeds
+from omni.validation import validate
 from tests.conftest import compose_config, training_options
 
 LR = 2e-5  # one Adam step moves a weight by about lr: ~1e-4 of a LoRA weight of 0.2
@@ -20,7 +20,12 @@ def worker(tiny_cache, tmp_path_factory):
     from omni.trainer import model_path
     from omni.workers.actor_rollout import ActorRolloutWorker
 
-    overrides = [f"model.cache_dir={tiny_cache}", "model.dtype=bfloat16", f"trainer.lr={LR}", "algorithm.num_minibatches=1"]
+    overrides = [
+        f"model.cache_dir={tiny_cache}",
+        "model.dtype=bfloat16",
+        f"trainer.lr={LR}",
+        "algorithm.num_minibatches=1",
+    ]
     cfg = validate(compose_config(overrides, tmp_path_factory.mktemp("run")))
     worker = ActorRolloutWorker(cfg, model_path(cfg.model))
     worker.setup()
@@ -38,7 +43,9 @@ def randomise_lora(worker):
 
 def one_update(worker):
     """One optimizer step of Flow-GRPO on a fresh rollout; returns the gradients it applied."""
-    batch = worker.generate(["a red cat"] * 2 + ["a blue dog"] * 2, step_seeds(0, 0, 4), training_options(worker.cfg, 0))
+    batch = worker.generate(
+        ["a red cat"] * 2 + ["a blue dog"] * 2, step_seeds(0, 0, 4), training_options(worker.cfg, 0)
+    )
     grads, step = [], worker.optimizer_step
     worker.optimizer_step = lambda: grads.append([p.grad.clone() for p in worker.trainable]) or step()
     try:

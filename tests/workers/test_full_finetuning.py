@@ -40,7 +40,9 @@ def perturb(worker, seed=0):
 
 def update(cfg, worker, batch=None):
     batch = batch or rollout(cfg, worker, n=4)
-    return worker.apply_update(flow_grpo.update, flow_grpo.GRPOBatch(batch, torch.tensor([1.0, -1.0, 0.5, -0.5])), seed=0)
+    return worker.apply_update(
+        flow_grpo.update, flow_grpo.GRPOBatch(batch, torch.tensor([1.0, -1.0, 0.5, -0.5])), seed=0
+    )
 
 
 def test_algorithms_say_whether_they_score_under_the_reference(tiny_cache):
@@ -59,7 +61,9 @@ def test_an_update_trains_every_weight_and_the_reference_stays_initial(tiny_cach
 
     cfg, worker = make_worker(tiny_cache, tmp_path, "algorithm.kl_coef=0.1")
     assert not any(isinstance(m, BaseTunerLayer) for m in worker.actor.modules())
-    assert len(worker.trainable) == len(list(worker.actor.parameters())) and all(p.requires_grad for p in worker.trainable)
+    assert len(worker.trainable) == len(list(worker.actor.parameters())) and all(
+        p.requires_grad for p in worker.trainable
+    )
     assert worker.reference is not None and not any(p.requires_grad for p in worker.reference.parameters())
     initial = params(worker.actor)
     batch = rollout(cfg, worker)
@@ -100,7 +104,9 @@ def test_checkpoint_restores_the_transformer_and_optimizer_and_loads_in_diffuser
     update(cfg, trained)
     state = {"optimizer": trained.optimizer_state_dict(), "rng": checkpoint.rng_state(), "config": ""}
     config = trained.family.transformer_config(trained.model_path)
-    saved = checkpoint.save_checkpoint(tmp_path / "ckpt", 1, trained.trained_state_dict(), None, state, trained.family, config)
+    saved = checkpoint.save_checkpoint(
+        tmp_path / "ckpt", 1, trained.trained_state_dict(), None, state, trained.family, config
+    )
     checkpoint.check_checkpoint(saved, cfg.model)
 
     _, fresh = make_worker(tiny_cache, tmp_path, OWN_COPY)

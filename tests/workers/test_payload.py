@@ -30,7 +30,12 @@ def test_a_grpo_shard_carries_only_its_rows_and_no_images():
     batch = GRPOBatch(rollout, torch.randn(N))
     for rows in equal_shards(N, 2):
         shard = batch.select(rows)
-        needed = nbytes(rollout.latents[rows], rollout.log_probs[rows], batch.advantages[rows], *shard.rollout.cond.tensors().values())
+        needed = nbytes(
+            rollout.latents[rows],
+            rollout.log_probs[rows],
+            batch.advantages[rows],
+            *shard.rollout.cond.tensors().values(),
+        )
         assert shard.rollout.images is None
         assert len(pickle.dumps(shard)) <= needed + 8_192  # plus the sigmas, options and pickle framing
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from omni.algorithms import flow_grpo
-from omni.validation import validate
-from omni.distributed import free_port
 from omni.context import step_seeds
+from omni.distributed import free_port
 from omni.trainer import model_path
+from omni.validation import validate
 from tests.conftest import compose_config, one_process_group_at_a_time, training_options
 from tests.recipes.test_train import final_lora, train
 
@@ -32,6 +32,7 @@ def _alone():
     with one_process_group_at_a_time():
         yield
 
+
 SMALL = [
     "trainer.batch_size=8", "algorithm.group_size=4", "trainer.micro_batch_size=4", "trainer.eval_images_per_prompt=1",
     "rollout.num_steps=4",
@@ -41,7 +42,11 @@ SMALL = [
 def build(n_workers, tiny_cache, tmp_path, *overrides):
     from omni.workers import build_actor_rollout
 
-    cfg = validate(compose_config([f"model.cache_dir={tiny_cache}", f"trainer.n_workers={n_workers}", *SMALL, *overrides], tmp_path))
+    cfg = validate(
+        compose_config(
+            [f"model.cache_dir={tiny_cache}", f"trainer.n_workers={n_workers}", *SMALL, *overrides], tmp_path
+        )
+    )
     return cfg, build_actor_rollout(cfg, model_path(cfg.model))
 
 
@@ -62,8 +67,18 @@ def max_difference(a: dict, b: dict) -> float:
 MODELS = {
     "sd3-fsdp2": ["model.fsdp.version=2"],
     "sd3-replicated": [],
-    "flux-layered": ["model=flux_tiny", "model.fsdp.version=2", "rollout.share_actor=false", "rollout.layered_summon=true"],
-    "qwen_image-fsdp1": ["model=qwen_image_tiny", "model.guidance_scale=2.0", "model.fsdp.version=1", "rollout.share_actor=false"],
+    "flux-layered": [
+        "model=flux_tiny",
+        "model.fsdp.version=2",
+        "rollout.share_actor=false",
+        "rollout.layered_summon=true",
+    ],
+    "qwen_image-fsdp1": [
+        "model=qwen_image_tiny",
+        "model.guidance_scale=2.0",
+        "model.fsdp.version=1",
+        "rollout.share_actor=false",
+    ],
     # every weight trains (FSDP2 shards them all) and every sync sends the whole transformer
     "sd3-full": ["model.lora=null", "rollout.share_actor=false"],
 }
