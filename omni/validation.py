@@ -2,10 +2,13 @@
 
 `validate` refuses a mandatory value left unset and a key no schema has, converts the
 composed config once into the schema objects (`TrainConfig` and its dataclasses, enums for
-closed sets), fills what other groups leave to the model family (resolution, guidance, LoRA
-targets; float32 for full fine-tuning, `model.lora=null`), types each reward's options,
-checks every rule (each error names the keys involved; an engine to attach to must answer)
-and returns the config the run uses. The engine's own rules are its module's `check_config`
+closed sets; each group's rules on its own fields run there, in its `__post_init__`),
+checks that the model's weights can be read, then runs two phases: `resolve` fills what
+other groups leave to the model family (resolution, guidance, LoRA targets and the modules
+to leave out; float32 for full fine-tuning, `model.lora=null`; the FSDP version), and
+`check` types each reward's options and checks every rule across groups (each error names
+the keys involved; an engine to attach to must answer). It returns the config the run
+uses. The engine's own rules are its module's `check_config`
 (omni/rollout/<engine>_engine.py), the algorithm's its class's `check_config`, and the memory
 estimate against the device (and `model.fsdp.version=null`'s choice) is omni/memory.py's.
 """
@@ -43,7 +46,9 @@ def _lookup(getter, *args):
         raise ConfigError(error.args[0]) from None
 
 
-def check_model(model) -> ModelFamily:
+def check_source(model) -> ModelFamily:
+    """The family exists and its weights can be read: a local checkpoint, or a tiny seed
+    (what resolution reads the transformer's config from)."""
     family = _lookup(get_family, model.family)
     if model.tiny_seed is None:
         check_not_hub_id(model.path)
@@ -57,33 +62,26 @@ def check_model(model) -> ModelFamily:
             f"model.path={model.path} is set but model.tiny_seed={model.tiny_seed} chooses the tiny random model; "
             f"unset one of them (model=<family> for a checkpoint, model=<family>_tiny for the tiny model)",
         )
+    return family
+
+
+def check_model(model, family: ModelFamily) -> None:
     prefixes = list(model.fsdp.layer_prefixes)
     containers = list(family.layer_prefixes)
     require(len(prefixes) > 0, f"model.fsdp.layer_prefixes is empty; {family.name} blocks are under {containers}")
     for prefix in prefixes:
         require(
             prefix in containers,
-            f"model.fsdp.layer_prefixes: '{prefix}' names no block container of {family.name}; its blocks are under {containers}",
+            f"model.fsdp.layer_prefixes: '{prefix}' names no block container of {family.name}; "
+            f"its blocks are under {containers}",
         )
-    require(
-        model.fsdp.version in (None, 0, 1, 2),
-        f"model.fsdp.version={model.fsdp.version}: expected 0, 1, 2 or null (replicated where the base fits, else 2)",
-    )
-    require(
-        model.vae_inversion_steps >= 0,
-        f"model.vae_inversion_steps={model.vae_inversion_steps} must be >= 0 (0: the VAE's encoder)",
-    )
     if model.lora is not None:
-        require(model.lora.rank > 0, f"model.lora.rank={model.lora.rank} must be positive")
-        require(bool(model.lora.adapter_name), "model.lora.adapter_name must not be empty")
-        require(len(model.lora.target_modules) > 0, "model.lora.target_modules is empty")
         check_lora_targets(model, family)
         if model.lora.init_from is not None:
             try:
                 check_lora_file(Path(model.lora.init_from), model.lora)
             except (OSError, DamagedCheckpoint, CheckpointMismatch) as error:
                 raise ConfigError(f"model.lora.init_from={model.lora.init_from}: {error}") from None
-    return family
 
 
 def check_not_hub_id(path) -> None:
@@ -124,38 +122,29 @@ def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
         rollout.resolution > 0 and rollout.resolution % multiple == 0,
         f"rollout.resolution={rollout.resolution}: this model takes multiples of {multiple} (VAE factor x patch size)",
     )
-    require(rollout.fps > 0, f"rollout.fps={rollout.fps} must be positive")
     require(
         family.video or rollout.num_frames == 1,
-        f"rollout.num_frames={rollout.num_frames}: model.family={family.name} makes images (1 frame); frames are for video models",
-    )
-    require(
-        rollout.guidance_scale >= 0, f"rollout.guidance_scale={rollout.guidance_scale} must be >= 0 (1 or less: no CFG)"
+        f"rollout.num_frames={rollout.num_frames}: model.family={family.name} makes images (1 frame); "
+        "frames are for video models",
     )
     check_share_actor(cfg)
     check_shared_actor_options(cfg)
     check_full_finetuning_sync(cfg)
-    require(
-        not (rollout.layered_summon and not rollout.load_base),
-        "rollout.layered_summon=true needs the base weights already in the engine, but "
-        "rollout.load_base=false starts it without them; set rollout.load_base=true or layered_summon=false",
-    )
     check_family_settings(cfg, family)
 
 
 def check_family_settings(cfg: TrainConfig, family: ModelFamily) -> None:
     """The family's own rules (a guidance it does not take, a text length its encoder
-    cannot), from the transformer's config: no weights read. Modules the family's output
-    never depends on join `model.lora.exclude_modules`."""
-    model = cfg.model
-    config = family.tiny_transformer_config() if model.tiny_seed is not None else family.transformer_config(model.path)
+    cannot), from the transformer's config: no weights read."""
     try:
-        family.check_settings(config, model, cfg.rollout)
+        family.check_settings(transformer_config(cfg.model, family), cfg.model, cfg.rollout)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    if model.lora is not None:
-        unused = [name for name in family.unused_modules(config) if name not in model.lora.exclude_modules]
-        model.lora.exclude_modules = [*model.lora.exclude_modules, *unused]
+
+
+def transformer_config(model, family: ModelFamily) -> dict:
+    """The transformer's config (no weights read): the tiny model's or the checkpoint's."""
+    return family.tiny_transformer_config() if model.tiny_seed is not None else family.transformer_config(model.path)
 
 
 def check_share_actor(cfg: TrainConfig) -> None:
@@ -208,7 +197,8 @@ def check_full_finetuning_sync(cfg: TrainConfig) -> None:
     raise ConfigError(
         "rollout.layered_summon=true with model.lora=null (full fine-tuning): the layered sync sends only a LoRA "
         "onto the base already in the engine, but with full fine-tuning every sync sends the whole new transformer "
-        f"(here rollout.load_base={str(rollout.load_base).lower()}, rollout.share_actor={str(shares_actor(cfg)).lower()}); "
+        f"(here rollout.load_base={str(rollout.load_base).lower()}, "
+        f"rollout.share_actor={str(shares_actor(cfg)).lower()}); "
         "set rollout.layered_summon=false, or train a LoRA (model.lora.rank=...)"
     )
 
@@ -230,79 +220,19 @@ def check_full_finetuning(cfg: TrainConfig) -> None:
     )
 
 
-def check_trainer(cfg: TrainConfig) -> None:
-    trainer = cfg.trainer
-    require(
-        trainer.eval_only or trainer.steps >= 1,
-        f"trainer.steps={trainer.steps}: a run trains at least 1 step; to only evaluate, set trainer.eval_only=true",
-    )
-    require(
-        trainer.ema_decay is None or 0 < trainer.ema_decay < 1,
-        f"trainer.ema_decay={trainer.ema_decay} must be in (0, 1) (the weight of the previous average), or null for no EMA",
-    )
-    require(trainer.max_bad_steps >= 1, f"trainer.max_bad_steps={trainer.max_bad_steps} must be >= 1")
-    require(
-        trainer.keep_last_checkpoints is None or trainer.keep_last_checkpoints >= 1,
-        f"trainer.keep_last_checkpoints={trainer.keep_last_checkpoints} must be >= 1, or null to keep every checkpoint",
-    )
-    require(trainer.lr > 0, f"trainer.lr={trainer.lr} must be positive")
-    require(
-        trainer.eval_only or 0 <= trainer.warmup_steps < trainer.steps,
-        f"trainer.warmup_steps={trainer.warmup_steps} must be in [0, trainer.steps={trainer.steps})",
-    )
-    require(trainer.batch_size > 0, f"trainer.batch_size={trainer.batch_size} must be positive")
-    require(trainer.micro_batch_size > 0, f"trainer.micro_batch_size={trainer.micro_batch_size} must be positive")
-    require(trainer.max_grad_norm >= 0, f"trainer.max_grad_norm={trainer.max_grad_norm} must be >= 0")
-    require(
-        trainer.eval_images_per_prompt > 0,
-        f"trainer.eval_images_per_prompt={trainer.eval_images_per_prompt} must be positive",
-    )
-    require(trainer.n_workers >= 1, f"trainer.n_workers={trainer.n_workers} must be >= 1")
-    require(
-        trainer.batch_size % trainer.n_workers == 0,
-        f"trainer.batch_size={trainer.batch_size} does not split evenly over trainer.n_workers={trainer.n_workers}",
-    )
-    if trainer.resume not in (None, "auto"):
-        require(Path(trainer.resume).is_dir(), f"trainer.resume={trainer.resume}: no such checkpoint directory")
-        try:
-            check_checkpoint(Path(trainer.resume), cfg.model)
-        except (DamagedCheckpoint, CheckpointMismatch) as error:
-            raise ConfigError(f"trainer.resume={trainer.resume}: {error}") from None
-    check_workers(cfg)
-
-
-def check_workers(cfg: TrainConfig) -> None:
-    """Workers, nodes and GPUs that describe one layout (see omni.workers.ray_cluster), and
-    a sharded actor whenever there is more than one worker."""
-    trainer = cfg.trainer
-    workers, nodes, gpus = trainer.n_workers, trainer.nnodes, trainer.n_gpus_per_node
-    require(nodes >= 1 and gpus >= 0, f"trainer.nnodes={nodes} must be >= 1 and trainer.n_gpus_per_node={gpus} >= 0")
-    if gpus > 0:
-        require(
-            workers == nodes * gpus,
-            f"trainer.n_workers={workers}: one worker per GPU, so trainer.nnodes={nodes} x "
-            f"trainer.n_gpus_per_node={gpus} = {nodes * gpus}; set trainer.n_workers={nodes * gpus}",
-        )
-        require(trainer.device != "cpu", f"trainer.device=cpu but trainer.n_gpus_per_node={gpus}; set one of them")
-    else:
-        require(workers % nodes == 0, f"trainer.n_workers={workers} does not split evenly over trainer.nnodes={nodes}")
-        require(
-            workers == 1 or trainer.device != "cuda",
-            f"trainer.device=cuda with trainer.n_gpus_per_node=0: Ray gives the {workers} workers no GPU; "
-            f"set trainer.n_gpus_per_node",
-        )
-    require(
-        trainer.ray_address is None or workers > 1,
-        f"trainer.ray_address={trainer.ray_address} with trainer.n_workers=1: one worker runs in this process "
-        f"without Ray; set trainer.n_workers > 1 to use the cluster",
-    )
-    require(
-        trainer.placement_timeout_s > 0, f"trainer.placement_timeout_s={trainer.placement_timeout_s} must be positive"
-    )
+def check_resume(trainer, model) -> None:
+    """A checkpoint to continue from exists, is intact and matches the model's LoRA."""
+    if trainer.resume in (None, "auto"):
+        return
+    require(Path(trainer.resume).is_dir(), f"trainer.resume={trainer.resume}: no such checkpoint directory")
+    try:
+        check_checkpoint(Path(trainer.resume), model)
+    except (DamagedCheckpoint, CheckpointMismatch) as error:
+        raise ConfigError(f"trainer.resume={trainer.resume}: {error}") from None
 
 
 def check_logger(logger, family: ModelFamily) -> None:
-    """Cadences; each chosen backend is installed; a video model's logged clips are mp4
+    """Each chosen backend is installed; a video model's logged clips are mp4
     files, whose encoder must be installed."""
     from omni.loggers import missing_backends
 
@@ -311,8 +241,6 @@ def check_logger(logger, family: ModelFamily) -> None:
         not missing,
         "; ".join(f"logger.backends has {name}, which is not installed: {fix}" for name, fix in missing.items()),
     )
-    require(logger.console_every >= 1, f"logger.console_every={logger.console_every} must be >= 1")
-    require(logger.image_every >= 0, f"logger.image_every={logger.image_every} must be >= 0")
     if family.video and logger.image_every:
         from omni.videos import video_backend_missing
 
@@ -326,8 +254,6 @@ def check_logger(logger, family: ModelFamily) -> None:
 def check_rewards(reward) -> None:
     """Types each component's options in place (`reward.components.<name>`) and checks them
     (files that must exist), loading nothing."""
-    require(bool(reward.components), "reward.components is empty: name at least one reward")
-    require(reward.batch_size > 0, f"reward.batch_size={reward.batch_size} must be positive")
     for name in list(reward.components):
         try:
             reward.components[name] = reward_options(name, reward.components[name])
@@ -342,7 +268,8 @@ def check_rewards(reward) -> None:
     weights = {f"reward.components.{n}.weight": o.weight for n, o in reward.components.items()}
     require(
         any(weight != 0 for weight in weights.values()),
-        f"reward.components: every weight is 0 ({', '.join(f'{k}={w}' for k, w in weights.items())}), so the reward is 0",
+        f"reward.components: every weight is 0 ({', '.join(f'{k}={w}' for k, w in weights.items())}), "
+        "so the reward is 0",
     )
     require(
         abs(sum(weights.values())) > 1e-9 * max(abs(w) for w in weights.values()),
@@ -384,7 +311,8 @@ def check_prompts(data, reward) -> None:
                 problem = component.prompt_problem(options, prompt)
                 require(
                     problem is None,
-                    f"data.{key}={spec}: {prompt.origin}: reward.components.{name} needs {problem}; the prompt is {str(prompt)[:100]!r}",
+                    f"data.{key}={spec}: {prompt.origin}: reward.components.{name} needs {problem}; "
+                    f"the prompt is {str(prompt)[:100]!r}",
                 )
 
 
@@ -444,31 +372,36 @@ def unknown_keys(node: DictConfig, prefix: str = "") -> list:
 
 
 def resolve(cfg: TrainConfig, family: ModelFamily) -> None:
-    """Fill in the model family's native values where the other groups left None."""
-    if cfg.rollout.resolution is None:
-        cfg.rollout.resolution = cfg.model.resolution
-    if cfg.rollout.guidance_scale is None:
-        cfg.rollout.guidance_scale = cfg.model.guidance_scale
-    if cfg.rollout.num_frames is None:
-        cfg.rollout.num_frames = cfg.model.num_frames
-    if cfg.rollout.fps is None:
-        cfg.rollout.fps = cfg.model.fps
-    lora = cfg.model.lora
-    if lora is not None and lora.target_modules is None:
-        lora.target_modules = list(family.lora_targets)
-    if lora is None and cfg.model.dtype == DType.auto:
-        cfg.model.dtype = DType.float32  # full fine-tuning trains fp32 weights (see check_full_finetuning)
-
-
-def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
-    """Check every cross-group rule; returns the typed, resolved config. Loads no model."""
-    cfg = to_schema(cfg)
-    family = _lookup(get_family, cfg.model.family)
-    resolve(cfg, family)
-    check_model(cfg.model)
+    """Phase one: fill in what the groups left null. The model family's native values
+    (resolution, guidance, frames, fps), its LoRA targets, the modules its output never
+    depends on (joining `model.lora.exclude_modules`), float32 for full fine-tuning, and
+    `model.fsdp.version=null`'s choice (omni/memory.py)."""
+    rollout, model = cfg.rollout, cfg.model
+    if rollout.resolution is None:
+        rollout.resolution = model.resolution
+    if rollout.guidance_scale is None:
+        rollout.guidance_scale = model.guidance_scale
+    if rollout.num_frames is None:
+        rollout.num_frames = model.num_frames
+    if rollout.fps is None:
+        rollout.fps = model.fps
+    lora = model.lora
+    if lora is not None:
+        if lora.target_modules is None:
+            lora.target_modules = list(family.lora_targets)
+        unused = family.unused_modules(transformer_config(model, family))
+        lora.exclude_modules = [*lora.exclude_modules, *(name for name in unused if name not in lora.exclude_modules)]
+    if lora is None and model.dtype == DType.auto:
+        model.dtype = DType.float32  # full fine-tuning trains fp32 weights (see check_full_finetuning)
     resolve_fsdp_version(cfg, family)
+
+
+def check(cfg: TrainConfig, family: ModelFamily) -> None:
+    """Phase two: every rule across groups, on the resolved config (each group's own rules
+    ran when its schema object was built: `__post_init__` in omni/config/)."""
+    check_model(cfg.model, family)
     check_rollout(cfg, family)
-    check_trainer(cfg)
+    check_resume(cfg.trainer, cfg.model)
     check_full_finetuning(cfg)
     check_memory(cfg, family)
     _lookup(get_algorithm, cfg.algorithm.name).check_config(cfg)
@@ -476,4 +409,14 @@ def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
     check_rewards(cfg.reward)
     check_reward_kinds(cfg.reward, family)
     check_prompts(cfg.data, cfg.reward)
+
+
+def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
+    """The typed, resolved and checked config the run uses; loads no model. Its schema
+    objects are built (each group's own rules), the source of the weights checked, then
+    `resolve` and `check`, the two phases."""
+    cfg = to_schema(cfg)
+    family = check_source(cfg.model)
+    resolve(cfg, family)
+    check(cfg, family)
     return cfg

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import List, Optional
 
+from omni.config.errors import require
+
 
 class LoggerBackend(str, Enum):
     console = "console"
@@ -40,3 +42,8 @@ class LoggerConfig:
     console_every: int = 10
     # Log a grid of rollout images every N steps (0: never).
     image_every: int = 0
+
+    def __post_init__(self) -> None:
+        """The cadences (see RolloutConfig.__post_init__); installed backends are omni.validation's."""
+        require(self.console_every >= 1, f"logger.console_every={self.console_every} must be >= 1")
+        require(self.image_every >= 0, f"logger.image_every={self.image_every} must be >= 0")

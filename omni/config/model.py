@@ -6,6 +6,8 @@ from typing import List, Optional
 
 from omegaconf import MISSING
 
+from omni.config.errors import require
+
 
 class DType(str, Enum):
     auto = "auto"  # bfloat16 on GPU, float32 on CPU
@@ -30,6 +32,12 @@ class LoraConfig:
     # from its checkpoint instead.
     init_from: Optional[str] = None
 
+    def __post_init__(self) -> None:
+        """The rules on the LoRA's own fields (see RolloutConfig.__post_init__)."""
+        require(self.rank > 0, f"model.lora.rank={self.rank} must be positive")
+        require(bool(self.adapter_name), "model.lora.adapter_name must not be empty")
+        require(self.target_modules is None or len(self.target_modules) > 0, "model.lora.target_modules is empty")
+
 
 @dataclass
 class FSDPConfig:
@@ -41,6 +49,12 @@ class FSDPConfig:
     version: Optional[int] = None
     # Block containers sharded and summoned one at a time; every model declares its own.
     layer_prefixes: List[str] = MISSING
+
+    def __post_init__(self) -> None:
+        require(
+            self.version in (None, 0, 1, 2),
+            f"model.fsdp.version={self.version}: expected 0, 1, 2 or null (replicated where the base fits, else 2)",
+        )
 
 
 @dataclass
@@ -75,3 +89,11 @@ class ModelConfig:
     # of the initial transformer.
     lora: Optional[LoraConfig] = field(default_factory=LoraConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+
+    def __post_init__(self) -> None:
+        """The rules on the model's own fields (see RolloutConfig.__post_init__); whether its
+        weights can be read, and its LoRA's targets, are omni.validation's."""
+        require(
+            self.vae_inversion_steps >= 0,
+            f"model.vae_inversion_steps={self.vae_inversion_steps} must be >= 0 (0: the VAE's encoder)",
+        )

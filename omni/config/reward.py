@@ -12,6 +12,8 @@ from typing import Any, Dict
 
 from omegaconf import MISSING
 
+from omni.config.errors import require
+
 
 class NonFinite(str, Enum):
     fail = "fail"  # a NaN or inf reward stops the step, naming the reward, step and count
@@ -29,3 +31,9 @@ class RewardConfig:
     # overlap, each part on a background thread while the next is sampled; without, after
     # the whole rollout. The scores are the same either way.
     overlap: bool = True
+
+    def __post_init__(self) -> None:
+        """The rules on this group's own fields (see RolloutConfig.__post_init__); each
+        component's options are typed and checked by omni.validation."""
+        require(bool(self.components), "reward.components is empty: name at least one reward")
+        require(self.batch_size > 0, f"reward.batch_size={self.batch_size} must be positive")

@@ -88,3 +88,13 @@ class RolloutConfig:
             f"(its step to sigma' has std sigma' sin(eta pi / 2))",
         )
         require(self.micro_batch_size > 0, "rollout.micro_batch_size must be positive")
+        require(self.fps is None or self.fps > 0, f"rollout.fps={self.fps} must be positive")
+        require(
+            self.guidance_scale is None or self.guidance_scale >= 0,
+            f"rollout.guidance_scale={self.guidance_scale} must be >= 0 (1 or less: no CFG)",
+        )
+        require(
+            not (self.layered_summon and not self.load_base),
+            "rollout.layered_summon=true needs the base weights already in the engine, but "
+            "rollout.load_base=false starts it without them; set rollout.load_base=true or layered_summon=false",
+        )

@@ -4,6 +4,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
 
+from omni.config.errors import require
+
 
 class LRSchedule(str, Enum):
     constant = "constant"
@@ -63,3 +65,71 @@ class TrainerConfig:
     # Only evaluate (the initial or resumed policy) and exit; trainer.steps is not used.
     eval_only: bool = False
     progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        """The rules on this group's own fields (see RolloutConfig.__post_init__); a resumed
+        checkpoint's match with the model is omni.validation's."""
+        require(
+            self.eval_only or self.steps >= 1,
+            f"trainer.steps={self.steps}: a run trains at least 1 step; to only evaluate, set trainer.eval_only=true",
+        )
+        require(
+            self.ema_decay is None or 0 < self.ema_decay < 1,
+            f"trainer.ema_decay={self.ema_decay} must be in (0, 1) (the weight of the previous average), "
+            "or null for no EMA",
+        )
+        require(self.max_bad_steps >= 1, f"trainer.max_bad_steps={self.max_bad_steps} must be >= 1")
+        require(
+            self.keep_last_checkpoints is None or self.keep_last_checkpoints >= 1,
+            f"trainer.keep_last_checkpoints={self.keep_last_checkpoints} must be >= 1, "
+            "or null to keep every checkpoint",
+        )
+        require(self.lr > 0, f"trainer.lr={self.lr} must be positive")
+        require(
+            self.eval_only or 0 <= self.warmup_steps < self.steps,
+            f"trainer.warmup_steps={self.warmup_steps} must be in [0, trainer.steps={self.steps})",
+        )
+        require(self.batch_size > 0, f"trainer.batch_size={self.batch_size} must be positive")
+        require(self.micro_batch_size > 0, f"trainer.micro_batch_size={self.micro_batch_size} must be positive")
+        require(self.max_grad_norm >= 0, f"trainer.max_grad_norm={self.max_grad_norm} must be >= 0")
+        require(
+            self.eval_images_per_prompt > 0,
+            f"trainer.eval_images_per_prompt={self.eval_images_per_prompt} must be positive",
+        )
+        require(self.n_workers >= 1, f"trainer.n_workers={self.n_workers} must be >= 1")
+        require(
+            self.batch_size % self.n_workers == 0,
+            f"trainer.batch_size={self.batch_size} does not split evenly over trainer.n_workers={self.n_workers}",
+        )
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        """Workers, nodes and GPUs that describe one layout (see omni.workers.ray_cluster)."""
+        workers, nodes, gpus = self.n_workers, self.nnodes, self.n_gpus_per_node
+        require(
+            nodes >= 1 and gpus >= 0, f"trainer.nnodes={nodes} must be >= 1 and trainer.n_gpus_per_node={gpus} >= 0"
+        )
+        if gpus > 0:
+            require(
+                workers == nodes * gpus,
+                f"trainer.n_workers={workers}: one worker per GPU, so trainer.nnodes={nodes} x "
+                f"trainer.n_gpus_per_node={gpus} = {nodes * gpus}; set trainer.n_workers={nodes * gpus}",
+            )
+            require(self.device != "cpu", f"trainer.device=cpu but trainer.n_gpus_per_node={gpus}; set one of them")
+        else:
+            require(
+                workers % nodes == 0, f"trainer.n_workers={workers} does not split evenly over trainer.nnodes={nodes}"
+            )
+            require(
+                workers == 1 or self.device != "cuda",
+                f"trainer.device=cuda with trainer.n_gpus_per_node=0: Ray gives the {workers} workers no GPU; "
+                f"set trainer.n_gpus_per_node",
+            )
+        require(
+            self.ray_address is None or workers > 1,
+            f"trainer.ray_address={self.ray_address} with trainer.n_workers=1: one worker runs in this process "
+            f"without Ray; set trainer.n_workers > 1 to use the cluster",
+        )
+        require(
+            self.placement_timeout_s > 0, f"trainer.placement_timeout_s={self.placement_timeout_s} must be positive"
+        )

@@ -81,7 +81,7 @@ BAD = [
     ),
     # full fine-tuning: every sync sends the whole transformer, which the layered walk does not
     (
-        ["model.lora=null", "rollout.layered_summon=true", "rollout.load_base=false", "rollout.share_actor=false"],
+        ["model.lora=null", "rollout.layered_summon=true", "rollout.share_actor=false"],
         "model.lora=null (full fine-tuning): the layered",
     ),
     (
