@@ -221,7 +221,8 @@ def config_differences(config_yaml, model) -> List[str]:
     ]
     if sorted(lora["target_modules"] or []) != sorted(model.lora.target_modules or []):
         differences.append(
-            f"saved LoRA targets {sorted(lora['target_modules'])}, configured {sorted(model.lora.target_modules)} (model.lora.target_modules)"
+            f"saved LoRA targets {sorted(lora['target_modules'])}, configured {sorted(model.lora.target_modules)} "
+            "(model.lora.target_modules)"
         )
     return differences
 
@@ -253,7 +254,8 @@ def lora_differences(shapes: Dict[str, list], lora_config) -> List[str]:
     stray = sorted(m for m in modules if not any(m == t or m.endswith("." + t) for t in targets))
     if found != targets or stray:
         return [
-            f"saved LoRA on other modules than model.lora.target_modules={sorted(targets)} (missing {sorted(targets - found)}, unexpected {stray[:3]})"
+            f"saved LoRA on other modules than model.lora.target_modules={sorted(targets)} (missing "
+            f"{sorted(targets - found)}, unexpected {stray[:3]})"
         ]
     return []
 

@@ -146,8 +146,16 @@ def configuration(
     (1 for an image family) and `settings` as `run_settings` gives them."""
     clip = {"num_frames": num_frames} if family.video else {}
     tokens = family.sequence_length(config, resolution, max_sequence_length, **clip)
-    return {"arch": arch, "params": sizes["params"], "lora_params": sizes["lora_params"], "resolution": resolution,
-            "num_frames": num_frames, "tokens": tokens, **settings, "gib_per_gpu": estimate(sizes, tokens, **settings)}  # fmt: skip
+    return {
+        "arch": arch,
+        "params": sizes["params"],
+        "lora_params": sizes["lora_params"],
+        "resolution": resolution,
+        "num_frames": num_frames,
+        "tokens": tokens,
+        **settings,
+        "gib_per_gpu": estimate(sizes, tokens, **settings),
+    }
 
 
 def check_fits(results: list, gpu_memory: float, budget_name: str = "--gpu-memory") -> None:
@@ -165,8 +173,10 @@ def check_fits(results: list, gpu_memory: float, budget_name: str = "--gpu-memor
             frames = f"rollout.num_frames={row['num_frames']} at " if row["num_frames"] > 1 else ""
             raise DoesNotFit(
                 f"{row['arch']}: {frames}resolution {size} needs about {row['gib_per_gpu']['total']} GiB per GPU "
-                f"(micro-batch {row['micro_batch']}, {row['workers']} workers, gradient checkpointing {row['checkpointing']}), "
-                f"more than {budget_name} {gpu_memory}: fewer frames, a smaller resolution or micro-batch, or more workers"
+                f"(micro-batch {row['micro_batch']}, {row['workers']} workers, "
+                f"gradient checkpointing {row['checkpointing']}), "
+                f"more than {budget_name} {gpu_memory}: fewer frames, a smaller resolution or micro-batch, or more "
+                "workers"
             )
 
 
@@ -198,7 +208,8 @@ def memory_budget(trainer, on_cuda: bool) -> tuple:
     budget = trainer.device_memory_gib
     require(
         budget is None or budget >= 0.01,
-        f"trainer.device_memory_gib={budget} must be at least 0.01 (GiB, the estimate's precision), or null for the CUDA device's total",
+        f"trainer.device_memory_gib={budget} must be at least 0.01 (GiB, the estimate's precision), or null for the "
+        "CUDA device's total",
     )
     if budget is not None:
         return budget, f"trainer.device_memory_gib={budget}"
@@ -266,7 +277,8 @@ def memory_message(family: ModelFamily, row: dict, checkpointed: dict | None, bu
             "shard the weights over more workers (trainer.n_workers)"]  # fmt: skip
     if checkpointed is not None:
         ways.append(
-            f"enable gradient checkpointing (model.gradient_checkpointing=true: about {checkpointed['gib_per_gpu']['total']} GiB)"
+            "enable gradient checkpointing (model.gradient_checkpointing=true: about "
+            f"{checkpointed['gib_per_gpu']['total']} GiB)"
         )
     return (
         f"{row['arch']}: the run needs about {gib['total']} GiB per device, more than {budget_name} "

@@ -163,7 +163,10 @@ def _entry_problem(entry: Any, index: int, key: str, earlier: List[Dict[str, Any
         return f"{where} is {entry!r}, not an object with 'class' and 'count'"
     unknown = set(entry) - ENTRY_KEYS
     if unknown or "class" not in entry or "count" not in entry:
-        return f"{where}={entry} needs 'class' and 'count' (and may have 'color', 'position'), not {sorted(unknown) or 'less'}"
+        return (
+            f"{where}={entry} needs 'class' and 'count' (and may have 'color', 'position'), not "
+            f"{sorted(unknown) or 'less'}"
+        )
     if entry["class"] not in SHAPES:
         return f"{where}: class {entry['class']!r} is not a scene shape; shapes: {list(SHAPES)}"
     count, top = entry["count"], MAX_COUNT + (key == "exclude")
@@ -223,7 +226,10 @@ def _scene_problem(include: List[Dict[str, Any]], exclude: List[Dict[str, Any]])
     counts = dict(zip(names, (entry["count"] for entry in include)))
     for entry in exclude:
         if counts.get(entry["class"], 0) >= entry["count"]:
-            return f"an exclude that the include allows (include {counts[entry['class']]} {entry['class']}, exclude {entry['count']} or more)"
+            return (
+                f"an exclude that the include allows (include {counts[entry['class']]} {entry['class']}, exclude "
+                f"{entry['count']} or more)"
+            )
     return None
 
 
@@ -363,7 +369,8 @@ def layout(metadata: Dict[str, Any], size: int, seed: int) -> List[Tuple[str, st
     problem = metadata_problem(metadata)
     if problem:
         raise ValueError(
-            f"cannot draw {metadata.get('prompt', metadata) if isinstance(metadata, dict) else metadata!r}: it needs {problem}"
+            f"cannot draw {metadata.get('prompt', metadata) if isinstance(metadata, dict) else metadata!r}: it "
+            f"needs {problem}"
         )
     rng = np.random.default_rng(seed)
     objects = _objects(metadata, rng)

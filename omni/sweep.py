@@ -83,7 +83,8 @@ class ValidateSweep(Callback):
                 )
         if bad:
             sys.stderr.write(
-                f"the sweep is refused before any job starts, {len(bad)} of its {len(jobs)} jobs cannot run: {'; '.join(bad)}\n"
+                f"the sweep is refused before any job starts, {len(bad)} of its {len(jobs)} jobs cannot run: "
+                f"{'; '.join(bad)}\n"
             )
             raise SystemExit(1)
         what = (

@@ -351,4 +351,7 @@ def kept(trainer: Trainer) -> str:
     latest = checkpoint.latest_checkpoint(trainer.checkpoint_dir)
     if latest is None:
         return "no checkpoint was saved yet"
-    return f"the last checkpoint, {latest}, is intact; continue with trainer.resume=auto hydra.run.dir={trainer.output_dir}"
+    return (
+        f"the last checkpoint, {latest}, is intact; continue with trainer.resume=auto "
+        f"hydra.run.dir={trainer.output_dir}"
+    )

@@ -2,7 +2,7 @@
 
     python scripts/bench_data.py                         # both measurements
     python scripts/bench_data.py --baseline /path/to/an/older/checkout   # also time its in-memory path
-    python scripts/bench_data.py --only speed --image-size 64 --image-format png     # images stored at the training size
+    python scripts/bench_data.py --only speed --image-size 64 --image-format png  # images stored at the training size
 
 1. Memory: the peak RSS of a DPO run (model, a few steps, one held-out evaluation) over
    2,000 and over 20,000 synthetic pairs (`scripts/make_preference_pairs.py`, parquet shards

@@ -1,6 +1,7 @@
 """Benchmark the tiny Flow-GRPO and DPO recipes on this machine; prints one JSON object.
 
-    python scripts/bench_train.py [--repeats 5] [--threads 1] [--parts rollout update ...] [hydra overrides, e.g. model=flux_tiny]
+    python scripts/bench_train.py [--repeats 5] [--threads 1] [--parts rollout update ...]
+                                  [hydra overrides, e.g. model=flux_tiny]
     python scripts/bench_train.py --reward-overlap [--repeats 3]
 
 Every figure comes with the settings it ran with (model, images, steps, resolution, CFG,
@@ -93,12 +94,20 @@ def settings(trainer: Trainer) -> dict:
     """What a figure of this trainer measured: the work and the threads."""
     cfg = trainer.cfg
     return {
-        "model": cfg.model.family, "images_per_step": cfg.trainer.batch_size, "images_per_prompt": cfg.algorithm.group_size,
-        "steps": cfg.rollout.num_steps, "resolution": cfg.rollout.resolution, "guidance_scale": cfg.rollout.guidance_scale,
-        "max_sequence_length": cfg.model.max_sequence_length, "text_tokens": text_lengths(trainer), "rollout_micro_batch": cfg.rollout.micro_batch_size,
-        "update_micro_batch": cfg.trainer.micro_batch_size, "num_minibatches": cfg.algorithm.num_minibatches,
-        "lora_rank": cfg.model.lora.rank if cfg.model.lora else None, "torch_threads": torch.get_num_threads(),
-    }  # fmt: skip
+        "model": cfg.model.family,
+        "images_per_step": cfg.trainer.batch_size,
+        "images_per_prompt": cfg.algorithm.group_size,
+        "steps": cfg.rollout.num_steps,
+        "resolution": cfg.rollout.resolution,
+        "guidance_scale": cfg.rollout.guidance_scale,
+        "max_sequence_length": cfg.model.max_sequence_length,
+        "text_tokens": text_lengths(trainer),
+        "rollout_micro_batch": cfg.rollout.micro_batch_size,
+        "update_micro_batch": cfg.trainer.micro_batch_size,
+        "num_minibatches": cfg.algorithm.num_minibatches,
+        "lora_rank": cfg.model.lora.rank if cfg.model.lora else None,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def bench_rollout(trainer: Trainer, n_images: int, repeats: int) -> dict:

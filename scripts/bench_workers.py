@@ -8,9 +8,9 @@ Groups run once per `--fsdp-version` (2: FSDP2 shards; 0: a replicated base, the
 gradients averaged, what `model.fsdp.version=null` picks for a LoRA that fits). Each
 setting's step is split into its phases: rollout, reward (and the part of it the rollout did
 not hide), update (as the driver waits for it; `worker_seconds` inside the workers, of which
-`allreduce_seconds` in the replicated base's gradient all-reduces) and sync. `--threads` is torch's intra-op threads in every worker process (the
-in-process worker and each Ray worker), so 1 worker x 2 threads and 2 workers x 1 thread
-use the same cores.
+`allreduce_seconds` in the replicated base's gradient all-reduces) and sync. `--threads` is
+torch's intra-op threads in every worker process (the in-process worker and each Ray
+worker), so 1 worker x 2 threads and 2 workers x 1 thread use the same cores.
 
 The one-worker trainer and each group in turn are set up side by side, then take turns step
 by step (so a machine's changing load falls on both alike), `steps` steps each after a

@@ -1,8 +1,8 @@
 """Build the latent cache of a preference set before training: VAE latents of every chosen
 and rejected image and the text embeddings of every prompt, in memory-mappable shards.
 
-    python scripts/cache_latents.py algorithm=dpo data=pairs data.pairs=/data/pick-a-pic data.latent_cache=/data/pap-cache
-    python recipes/train.py algorithm=dpo data=pairs data.pairs=/data/pick-a-pic data.latent_cache=/data/pap-cache
+    python scripts/cache_latents.py algorithm=dpo data=pairs data.pairs=/data/pick-a-pic data.latent_cache=/data/latents
+    python recipes/train.py algorithm=dpo data=pairs data.pairs=/data/pick-a-pic data.latent_cache=/data/latents
 
 Arguments are the training run's Hydra overrides: the cache is made for its model (VAE and
 text encoders), resolution, text length, dtype and data, and a run with other ones refuses
@@ -34,7 +34,8 @@ def main(argv=None) -> None:
     data = PairData(cfg)  # scans the pairs, or checks a complete cache against this run
     if data.cache_dir is None:
         raise SystemExit(
-            "set data.latent_cache=DIR: the directory to write the cache to (auto caches only pairs encoded by decoder inversion)"
+            "set data.latent_cache=DIR: the directory to write the cache to (auto caches only pairs encoded by "
+            "decoder inversion)"
         )
     if data.cache is not None:
         print(f"data.latent_cache={data.cache_dir} is complete: {len(data.cache)} pairs")
@@ -52,7 +53,8 @@ def main(argv=None) -> None:
     tick = time.perf_counter()
     data.ensure_cache(engine, cfg.rollout.resolution, cfg.model.max_sequence_length, progress=True)
     print(
-        f"data.latent_cache={data.cache_dir}: {len(data.cache)} pairs in {time.perf_counter() - tick:.1f} s ({data.stats})"
+        f"data.latent_cache={data.cache_dir}: {len(data.cache)} pairs in {time.perf_counter() - tick:.1f} s "
+        f"({data.stats})"
     )
 
 

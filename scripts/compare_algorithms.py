@@ -66,10 +66,17 @@ def paired_gain(summary: dict) -> Dict[str, float]:
 def start_run(variant: str, seed: int, args) -> dict:
     run_dir = args.out / "runs" / f"{slug(variant)}_seed{seed}"
     command = [
-        sys.executable, "recipes/train.py", f"hydra.run.dir={run_dir}", f"seed={seed}", f"trainer.steps={args.steps}",
-        f"trainer.eval_every={args.eval_every}", f"logger.console_every={args.eval_every}", "trainer.progress_bar=false",
-        *VARIANTS[variant], *args.overrides,
-    ]  # fmt: skip
+        sys.executable,
+        "recipes/train.py",
+        f"hydra.run.dir={run_dir}",
+        f"seed={seed}",
+        f"trainer.steps={args.steps}",
+        f"trainer.eval_every={args.eval_every}",
+        f"logger.console_every={args.eval_every}",
+        "trainer.progress_bar=false",
+        *VARIANTS[variant],
+        *args.overrides,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     log = open(run_dir.parent / f"{run_dir.name}.log", "w")
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -158,9 +165,12 @@ def plot(results: List[dict], variants: List[str], path: Path) -> bool:
         if not rows:
             continue
         n = min(len(r["curve"]) for r in rows)
-        mean = lambda key: [sum(r["curve"][i][key] for r in rows) / len(rows) for i in range(n)]  # noqa: E731
+        mean = {
+            key: [sum(r["curve"][i][key] for r in rows) / len(rows) for i in range(n)]
+            for key in ("wall_s", "images", "reward")
+        }
         for axis, key in zip(axes, ("wall_s", "images")):
-            axis.plot(mean(key), mean("reward"), marker="o", label=variant)
+            axis.plot(mean[key], mean["reward"], marker="o", label=variant)
     for axis, label in zip(axes, ("wall time (s)", "images sampled")):
         axis.set_xlabel(label)
         axis.set_ylabel("held-out reward (mean over seeds)")

@@ -7,7 +7,8 @@ ratios the first update would start from (the actor re-scoring the engine's samp
 and largest |ratio - 1|; 0 for an exact engine, in bf16 the kernels' rounding).
 
     bash scripts/install_vllm_engine.sh                   # once: the engine's own env
-    python scripts/gpu_check_vllm.py [--size sd35m|tiny] [--images 32] [--backends vllm,native] [--python ENV/bin/python]
+    python scripts/gpu_check_vllm.py [--size sd35m|tiny] [--images 32] [--backends vllm,native]
+                                     [--python ENV/bin/python]
     python scripts/gpu_check_vllm.py --device cpu --size tiny --images 4 --resolution 64   # a dry run
 
 The checkpoint is the tiny SD3 (tiny text encoders and VAE, no download) with its

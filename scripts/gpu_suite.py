@@ -103,8 +103,17 @@ def main(argv=None) -> int:
     deadline = time.monotonic() + args.budget_s
     gpu = device_info()
     today = datetime.date.today().isoformat()
-    report = {"date": today, "gpu": gpu, "commit": git_commit(), "torch": torch.__version__, "python": platform.python_version(),
-              "budget_s": args.budget_s, "parts": {}, "skipped": [], "not_measured": {}}  # fmt: skip
+    report = {
+        "date": today,
+        "gpu": gpu,
+        "commit": git_commit(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "budget_s": args.budget_s,
+        "parts": {},
+        "skipped": [],
+        "not_measured": {},
+    }
     if gpu is None:
         report["note"] = "no GPU was there: each part's CPU check ran instead (tiny models, gloo); no GPU figure"
         tiny = ["--tiny", "--device", "cpu", "--dtype", "float32", "--resolution", "64", "--repeats", "1"]

@@ -22,11 +22,12 @@ from types import SimpleNamespace as N
 
 def get_config():
     return N(pretrained=N(model=""), dataset="", prompt_fn="", reward_fn={}, logdir="", mixed_precision="fp16",
-             allow_tf32=True, use_lora=False, resolution=768, eval_freq=20, save_freq=20, per_prompt_stat_tracking=False,
+             allow_tf32=True, use_lora=False, resolution=768, eval_freq=20, save_freq=20,
+             per_prompt_stat_tracking=False,
              sample=N(num_steps=40, eval_num_steps=40, guidance_scale=1.0, noise_level=0.0, train_batch_size=1,
                       num_image_per_prompt=1, num_batches_per_epoch=1, test_batch_size=1, global_std=False),
-             train=N(batch_size=1, gradient_accumulation_steps=2, num_inner_epochs=2, timestep_fraction=0.5, clip_range=1.0,
-                     learning_rate=1.0, beta=1.0, ema=True, cfg=False))
+             train=N(batch_size=1, gradient_accumulation_steps=2, num_inner_epochs=2, timestep_fraction=0.5,
+                     clip_range=1.0, learning_rate=1.0, beta=1.0, ema=True, cfg=False))
 """
 
 
@@ -112,7 +113,10 @@ def test_flow_grpo_config_refuses_a_field_their_base_lacks(tmp_path):
 def test_step_lines_stamps_matching_lines_and_ends_the_process_group(tmp_path):
     child = tmp_path / "child.pid"
     # a child that ignores SIGTERM, as a stuck data-loader worker might; the run prints once it is ready
-    sleeper = f"import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); open({str(child)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    sleeper = (
+        "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"open({str(child)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    )
     code = textwrap.dedent(f"""
         import itertools, os, subprocess, sys, time
         subprocess.Popen([sys.executable, "-c", {sleeper!r}])
@@ -143,8 +147,13 @@ def test_step_seconds_start_after_the_warm_up():
 
 
 def test_summary_gives_the_ratio_or_says_ours_only():
-    rounds = [{"flow_grpo": {"seconds_per_step": [2.0, 2.2], "median": 2.1}, "ours": {"seconds_per_step": [1.0, 1.1], "median": 1.05},
-               "ours_cfg_conditional": {"seconds_per_step": [0.7], "median": 0.7}}]  # fmt: skip
+    rounds = [
+        {
+            "flow_grpo": {"seconds_per_step": [2.0, 2.2], "median": 2.1},
+            "ours": {"seconds_per_step": [1.0, 1.1], "median": 1.05},
+            "ours_cfg_conditional": {"seconds_per_step": [0.7], "median": 0.7},
+        }
+    ]
     both = bench.summary(rounds, ["flow_grpo", "ours", "ours_cfg_conditional"])
     assert both["median_ratio_flow_grpo_over_ours"] == pytest.approx(2.0) and "note" not in both
     assert both["median_ratio_flow_grpo_over_ours_cfg_conditional"] == pytest.approx(3.0)

@@ -78,8 +78,27 @@ def test_time_budget_skips_a_phase_that_does_not_fit(script):
 
 @pytest.mark.slow
 def test_bench_gpu_reports_every_figure_for_both_families(script, tiny_cache, capsys):
-    script.main(["--tiny", "--cache-dir", str(tiny_cache), "--device", "cpu", "--dtype", "bfloat16",
-                 "--resolution", "64", "--steps", "2", "--batch", "2", "--micro-batch", "2", "--repeats", "1"])  # fmt: skip
+    script.main(
+        [
+            "--tiny",
+            "--cache-dir",
+            str(tiny_cache),
+            "--device",
+            "cpu",
+            "--dtype",
+            "bfloat16",
+            "--resolution",
+            "64",
+            "--steps",
+            "2",
+            "--batch",
+            "2",
+            "--micro-batch",
+            "2",
+            "--repeats",
+            "1",
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     assert set(report) == {"tiny-sd3", "tiny-flux", "elapsed_s"}
     for arch, cfg_gradients in (("tiny-sd3", {"both", "conditional"}), ("tiny-flux", {"both"})):

@@ -100,7 +100,10 @@ def test_interrupted_saves_are_cleaned_and_an_aside_step_restored(tmp_path):
     assert len(done) == 2 and checkpoint.resumable_checkpoint(tmp_path, MODEL)[0] == tmp_path / "step_000001"
 
 
-HOLD = "import sys, time; from omni.run_lock import RunLock; RunLock(sys.argv[1]).__enter__(); print('held', flush=True); time.sleep(600)"
+HOLD = (
+    "import sys, time; from omni.run_lock import RunLock; RunLock(sys.argv[1]).__enter__(); "
+    "print('held', flush=True); time.sleep(600)"
+)
 
 
 def test_a_second_writer_of_a_run_directory_is_refused(tmp_path):

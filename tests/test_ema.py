@@ -34,8 +34,16 @@ def test_before_any_update_the_weights_are_the_trained_ones_and_decay_is_checked
 def test_run_evaluates_and_exports_the_average_and_trains_on(tiny_cache, tmp_path):
     prompts = tmp_path / "eval.txt"
     prompts.write_text("a red cat\na blue dog\na green tree\na white house\n")
-    overrides = [f"model.cache_dir={tiny_cache}", "trainer.ema_decay=0.5", "trainer.batch_size=4", "algorithm.group_size=2",
-                 "rollout.num_steps=4", f"data.eval={prompts}", "trainer.eval_images_per_prompt=2", "trainer.progress_bar=false"]  # fmt: skip
+    overrides = [
+        f"model.cache_dir={tiny_cache}",
+        "trainer.ema_decay=0.5",
+        "trainer.batch_size=4",
+        "algorithm.group_size=2",
+        "rollout.num_steps=4",
+        f"data.eval={prompts}",
+        "trainer.eval_images_per_prompt=2",
+        "trainer.progress_bar=false",
+    ]
     trainer = Trainer(validate(compose_config(overrides, tmp_path)))
     trainer.setup()
     try:

@@ -182,8 +182,17 @@ def test_unset_sharding_replicates_a_lora_base_only_where_it_fits(wan_14b_dir, t
     from omni.validation import validate
     from tests.conftest import compose_config
 
-    run = ["model=wan", f"model.path={wan_14b_dir}", "reward=frame_brightness", "trainer=gpu", "trainer.n_workers=8",
-           "trainer.n_gpus_per_node=8", "rollout.num_frames=33", "rollout.resolution=320", "model.gradient_checkpointing=true"]  # fmt: skip
+    run = [
+        "model=wan",
+        f"model.path={wan_14b_dir}",
+        "reward=frame_brightness",
+        "trainer=gpu",
+        "trainer.n_workers=8",
+        "trainer.n_gpus_per_node=8",
+        "rollout.num_frames=33",
+        "rollout.resolution=320",
+        "model.gradient_checkpointing=true",
+    ]
     replicated = validate(compose_config([*run, "model.fsdp.version=0", "trainer.device_memory_gib=1000"]))
     need = estimate_memory(replicated, get_family("wan"))["gib_per_gpu"]["total"]
     sharded = estimate_memory(replicated, get_family("wan"), fsdp=2)["gib_per_gpu"]["total"]

@@ -25,6 +25,7 @@ while every parameter is sharded, copied into an unwrapped model.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -382,11 +383,11 @@ def _matrix_cells(w) -> dict:
                     continue
                 for layered in (False, True):
                     for synced in (False, True):
-                        args = ("sd3", model, ref, layered, synced, asked, SD3_PREFIXES)
-                        out[_matrix_id(w, state, case, layered, synced)] = _record(lambda: _collect_cell(*args))
+                        cell = functools.partial(_collect_cell, "sd3", model, ref, layered, synced, asked, SD3_PREFIXES)
+                        out[_matrix_id(w, state, case, layered, synced)] = _record(cell)
             if len(adapters) == 2:
                 out[f"{w}-{state}-missing_adapter"] = _record(
-                    lambda: _collect_cell("sd3", model, ref, True, True, "nope", SD3_PREFIXES)
+                    functools.partial(_collect_cell, "sd3", model, ref, True, True, "nope", SD3_PREFIXES)
                 )
     return out
 
@@ -442,9 +443,14 @@ def _wan_worker_cell(wan_dir: str, run_dir: str):
     from tests.workers.test_actor_rollout import rescore
 
     overrides = [
-        f"model.cache_dir={os.path.dirname(wan_dir)}", "model=wan_tiny", "reward=frame_brightness", "model.fsdp.version=2",
-        "rollout.share_actor=false", "rollout.num_steps=4", "trainer.device=cpu",
-    ]  # fmt: skip
+        f"model.cache_dir={os.path.dirname(wan_dir)}",
+        "model=wan_tiny",
+        "reward=frame_brightness",
+        "model.fsdp.version=2",
+        "rollout.share_actor=false",
+        "rollout.num_steps=4",
+        "trainer.device=cpu",
+    ]
     cfg = validate(compose_config(overrides, run_dir))
     worker = ActorRolloutWorker(cfg, wan_dir, torch.distributed.get_rank(), torch.distributed.get_world_size())
     worker.setup()  # joins this process group
@@ -760,11 +766,11 @@ def _mp_cells(world) -> dict:
         if w_world != world:
             continue
         for state in MP_STATES:
-            out[f"{w}-{state}"] = _record(lambda: _mp_collect_cell(w, state))
+            out[f"{w}-{state}"] = _record(functools.partial(_mp_collect_cell, w, state))
         if w in MP_SUMMON_WRAPPINGS:
-            out[f"{w}-summon"] = _record(lambda: _mp_summon_cell(w))
-            out[f"{w}-summon_writeback"] = _record(lambda: _mp_summon_writeback_cell(w))
-            out[f"{w}-summon_with_grads"] = _record(lambda: _mp_summon_grads_cell(w))
+            out[f"{w}-summon"] = _record(functools.partial(_mp_summon_cell, w))
+            out[f"{w}-summon_writeback"] = _record(functools.partial(_mp_summon_writeback_cell, w))
+            out[f"{w}-summon_with_grads"] = _record(functools.partial(_mp_summon_grads_cell, w))
         torch.distributed.barrier()
     return out
 
@@ -809,10 +815,18 @@ def _worker(rank: int, world: int, port: int, out_dir: str, wan_dir: str) -> Non
 # What every worker imports, imported once by the forkserver that forks them (instead of
 # in each spawned process: peft alone takes seconds, 4 processes share 2 cores here).
 _WORKER_PRELOAD = [
-    __name__, "peft", "omni.fsdp_utils", "omni.models.sd3", "torch.distributed.fsdp",
-    "diffusers.models.transformers.transformer_sd3", "diffusers.models.transformers.transformer_flux",
-    "diffusers.models.transformers.transformer_wan", "omni.workers.actor_rollout", "omni.algorithms.flow_grpo", "tests.conftest",
-]  # fmt: skip
+    __name__,
+    "peft",
+    "omni.fsdp_utils",
+    "omni.models.sd3",
+    "torch.distributed.fsdp",
+    "diffusers.models.transformers.transformer_sd3",
+    "diffusers.models.transformers.transformer_flux",
+    "diffusers.models.transformers.transformer_wan",
+    "omni.workers.actor_rollout",
+    "omni.algorithms.flow_grpo",
+    "tests.conftest",
+]
 
 
 def _run_group(world: int, out_dir, wan_dir) -> list[dict]:

@@ -2,13 +2,14 @@
 
 An algorithm lives in `omni/algorithms/<name>.py` (`algorithm.name`) and defines
 `ALGORITHM`, an `Algorithm` subclass. The driver side: `check_config` (cross-group rules,
-before any model loads), `uses_reference` (whether it scores under the reference), the constructor (reads its data, before any model loads), `setup`
-(once the worker exists), `step` (one training step -> metrics), `evaluate` (held-out
-metrics of its own), `state_dict` / `load_state_dict` (what a checkpoint keeps, such as a
-data position) and `close`. The worker side: module-level functions `update(worker, batch, seed,
-first, total)` that the worker runs on its shard of a batch with its primitives (velocity
-under the policy or the reference, backward, optimizer step); a Ray group ships the
-function to every worker, so adding an algorithm adds no worker method.
+before any model loads), `uses_reference` (whether it scores under the reference), the
+constructor (reads its data, before any model loads), `setup` (once the worker exists),
+`step` (one training step -> metrics), `evaluate` (held-out metrics of its own),
+`state_dict` / `load_state_dict` (what a checkpoint keeps, such as a data position) and
+`close`. The worker side: module-level functions `update(worker, batch, seed, first,
+total)` that the worker runs on its shard of a batch with its primitives (velocity under
+the policy or the reference, backward, optimizer step); a Ray group ships the function to
+every worker, so adding an algorithm adds no worker method.
 """
 
 from __future__ import annotations

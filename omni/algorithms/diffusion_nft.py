@@ -144,7 +144,7 @@ def noised(worker, batch: NFTBatch, seed: int, first: int, total: int) -> Noised
     cond = batch.cond.apply(lambda t: worker.to_device(t).repeat_interleave(k, dim=0))
     with torch.no_grad():  # before any optimizer step: the rollout policy's
         old = [
-            worker.velocity(noisy[rows], sigmas[rows], cond.apply(lambda t: t[rows]), batch.guidance_scale)
+            worker.velocity(noisy[rows], sigmas[rows], cond.apply(lambda t, rows=rows: t[rows]), batch.guidance_scale)
             for rows in torch.arange(n * k).split(worker.cfg.trainer.micro_batch_size)
         ]
     return NoisedBatch(
@@ -160,7 +160,7 @@ def minibatch_step(worker, data: NoisedBatch, minibatch: torch.Tensor, guidance_
     chunks = minibatch.split(worker.cfg.trainer.micro_batch_size)
     for i, rows in enumerate(chunks):
         velocity = worker.velocity(
-            data.noisy[rows], data.sigmas[rows], data.cond.apply(lambda t: t[rows]), guidance_scale
+            data.noisy[rows], data.sigmas[rows], data.cond.apply(lambda t, rows=rows: t[rows]), guidance_scale
         )
         loss, pos, neg = nft_loss(
             velocity, data.old_velocity[rows], data.noisy[rows], data.sigmas[rows], data.clean[rows],
@@ -209,8 +209,8 @@ class DiffusionNFT(Algorithm):
         require(algo.num_minibatches >= 1, f"algorithm.num_minibatches={algo.num_minibatches} must be >= 1")
         require(
             rollout.sde_type == SDEType.sde,
-            f"rollout.sde_type={rollout.sde_type.value} with algorithm=diffusion_nft: DiffusionNFT samples with the ODE "
-            f"and takes no stochastic step; leave rollout.sde_type at its default",
+            f"rollout.sde_type={rollout.sde_type.value} with algorithm=diffusion_nft: "
+            "DiffusionNFT samples with the ODE and takes no stochastic step; leave rollout.sde_type at its default",
         )
         require(
             rollout.guidance_scale <= 1,

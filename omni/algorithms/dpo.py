@@ -284,8 +284,8 @@ class OfflineDPO(Algorithm):
         steps = self.cfg.model.vae_inversion_steps
         if steps and self.data.cache_dir is None:
             logger.warning(
-                "model.vae_inversion_steps=%d with data.latent_cache=null: each pair's images are encoded by %d decoder passes "
-                "every time the pair is used; data.latent_cache=auto (the default) encodes them once",
+                "model.vae_inversion_steps=%d with data.latent_cache=null: each pair's images are encoded by "
+                "%d decoder passes every time the pair is used; data.latent_cache=auto (the default) encodes them once",
                 steps,
                 steps,
             )
@@ -357,7 +357,8 @@ class OfflineDPO(Algorithm):
         here = {"train_pairs": len(self.data.train), "split": split_digest(self.data.train)}
         if {k: state.get(k) for k in here} != here:
             raise ValueError(
-                f"trainer.resume: the checkpoint trained on {state.get('train_pairs')} pairs (split {state.get('split')}), "
+                f"trainer.resume: the checkpoint trained on {state.get('train_pairs')} pairs "
+                f"(split {state.get('split')}), "
                 f"this run's data.pairs={self.cfg.data.pairs} gives {here['train_pairs']} (split {here['split']}): "
                 "resume with the same data, data.skip_bad_rows, data.pairs_eval_fraction and seed"
             )

@@ -136,7 +136,8 @@ class PairData:
             cache = latent_cache.open_cache(self.cache_dir, self.cache_key, self.conditioning, data.skip_bad_rows)
         if len(cache.rows) != len(self.rows) or not np.array_equal(cache.rows, self.rows):
             raise ValueError(
-                f"data.latent_cache={self.cache_dir} holds other rows than this run's scan of data.pairs; remove it to rebuild"
+                f"data.latent_cache={self.cache_dir} holds other rows than this run's scan of data.pairs; remove it "
+                "to rebuild"
             )
         self.cache, self.stats = cache, dict(cache.stats)
 

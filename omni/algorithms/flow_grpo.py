@@ -8,7 +8,8 @@ or nothing (`algorithm.adv_norm`: group, global, or none as in Dr.GRPO, Liu et a
 loss, applied per denoising step, with an optional penalty `kl_coef` x KL to the reference:
 between the policy's and the reference's Gaussian steps (`algorithm.kl_type=latent`, the
 paper's), or the squared distance of their predicted velocities (`kl_type=velocity`:
-independent of the noise level and the step size, and of the sampler). Flow-GRPO-Fast samples with the SDE (and trains) only on a window of the steps.
+independent of the noise level and the step size, and of the sampler). Flow-GRPO-Fast samples
+with the SDE (and trains) only on a window of the steps.
 
     python recipes/train.py algorithm=flow_grpo            # or algorithm=flow_grpo_fast
 """
@@ -395,7 +396,8 @@ def check_policy_config(cfg) -> None:
             get_family(cfg.model.family).forward_passes(rollout.guidance_scale) == 2,
             f"algorithm.cfg_gradient=conditional: model.family={cfg.model.family} at rollout.guidance_scale="
             f"{rollout.guidance_scale} runs no unconditional pass (classifier-free guidance needs a scale above 1 "
-            "and a family that guides with two passes, not FLUX's distilled guidance); leave algorithm.cfg_gradient=both",
+            "and a family that guides with two passes, not FLUX's distilled guidance); leave "
+            "algorithm.cfg_gradient=both",
         )
     sde_steps = algo.sde_window_size or available
     require(

@@ -96,8 +96,18 @@ def main(argv=None) -> None:
         sizes = count(family, config, lora)
         for resolution in args.resolution or [512, 1024]:
             for checkpointing in [True] if args.gradient_checkpointing else [False, True]:
-                results.append(configuration(family, config, sizes, arch, resolution, frames, cfg.model.max_sequence_length,
-                                             **{**settings, "checkpointing": checkpointing}))  # fmt: skip
+                results.append(
+                    configuration(
+                        family,
+                        config,
+                        sizes,
+                        arch,
+                        resolution,
+                        frames,
+                        cfg.model.max_sequence_length,
+                        **{**settings, "checkpointing": checkpointing},
+                    )
+                )
     json.dump(results, sys.stdout, indent=1)
     print()
     if args.gpu_memory is not None:

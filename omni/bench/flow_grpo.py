@@ -1,6 +1,6 @@
 """Seconds per Flow-GRPO training step: flow_grpo's own SD3 trainer against ours, on the same work.
 
-    python scripts/bench_flow_grpo.py --flow-grpo /path/to/flow_grpo --flow-grpo-python /path/to/env/bin/python --rounds 3
+    python scripts/bench_flow_grpo.py --flow-grpo /path/to/flow_grpo --flow-grpo-python ENV/bin/python --rounds 3
     python scripts/bench_flow_grpo.py                  # ours only (no flow_grpo checkout given)
 
 Both trainers run unmodified, each as its own process, on one tiny random SD3 checkpoint that
@@ -38,8 +38,8 @@ both; each round reports each side's median over its steps and their ratio, and 
 ratio over rounds. Ours runs in two variants (`--variants`): `ours`, the exact gradient of
 the guided velocity (our default), and `ours_cfg_conditional` (`algorithm.cfg_gradient=
 conditional`), flow_grpo's own update: it detaches CFG's unconditional pass, which ours then
-runs apart without gradients instead of backpropagating zeros through it. Ours also reports its own `time/*` metrics (rollout, reward wait,
-update, weight sync) as a cross-check.
+runs apart without gradients instead of backpropagating zeros through it. Ours also reports
+its own `time/*` metrics (rollout, reward wait, update, weight sync) as a cross-check.
 
 What still differs, by each trainer's design: flow_grpo encodes the text of every sampling
 batch (its 4 copies of one prompt through both CLIPs and T5), ours keeps each prompt's
@@ -117,17 +117,37 @@ def flow_grpo_fields(model_dir: Path, data_dir: Path, log_dir: Path) -> dict:
     s = SETTINGS
     images = s["prompts_per_step"] * s["images_per_prompt"]
     return {
-        "pretrained.model": str(model_dir), "dataset": str(data_dir), "prompt_fn": "general_ocr",
-        "reward_fn": {s["reward"]: 1.0}, "logdir": str(log_dir), "mixed_precision": "no", "allow_tf32": False,
-        "use_lora": True, "resolution": s["resolution"], "eval_freq": 10**9, "save_freq": 10**9,
-        "sample.num_steps": s["denoising_steps"], "sample.eval_num_steps": 2, "sample.guidance_scale": s["guidance_scale"],
-        "sample.noise_level": s["noise_level"], "sample.train_batch_size": images // s["minibatches"],
-        "sample.num_image_per_prompt": s["images_per_prompt"], "sample.num_batches_per_epoch": s["minibatches"],
-        "sample.test_batch_size": 1, "sample.global_std": True, "train.batch_size": images // s["minibatches"],
-        "train.gradient_accumulation_steps": 1, "train.num_inner_epochs": 1, "train.timestep_fraction": 1.0,
-        "train.clip_range": s["clip_range"], "train.learning_rate": s["lr"], "train.beta": 0.0, "train.ema": False,
-        "train.cfg": True, "per_prompt_stat_tracking": True,
-    }  # fmt: skip
+        "pretrained.model": str(model_dir),
+        "dataset": str(data_dir),
+        "prompt_fn": "general_ocr",
+        "reward_fn": {s["reward"]: 1.0},
+        "logdir": str(log_dir),
+        "mixed_precision": "no",
+        "allow_tf32": False,
+        "use_lora": True,
+        "resolution": s["resolution"],
+        "eval_freq": 10**9,
+        "save_freq": 10**9,
+        "sample.num_steps": s["denoising_steps"],
+        "sample.eval_num_steps": 2,
+        "sample.guidance_scale": s["guidance_scale"],
+        "sample.noise_level": s["noise_level"],
+        "sample.train_batch_size": images // s["minibatches"],
+        "sample.num_image_per_prompt": s["images_per_prompt"],
+        "sample.num_batches_per_epoch": s["minibatches"],
+        "sample.test_batch_size": 1,
+        "sample.global_std": True,
+        "train.batch_size": images // s["minibatches"],
+        "train.gradient_accumulation_steps": 1,
+        "train.num_inner_epochs": 1,
+        "train.timestep_fraction": 1.0,
+        "train.clip_range": s["clip_range"],
+        "train.learning_rate": s["lr"],
+        "train.beta": 0.0,
+        "train.ema": False,
+        "train.cfg": True,
+        "per_prompt_stat_tracking": True,
+    }
 
 
 def ours_overrides(model_dir: Path, data_dir: Path, run_dir: Path, steps: int) -> list:
@@ -175,8 +195,12 @@ def model_dims(model_dir: Path) -> dict:
         "patch_size",
         "in_channels",
     )
-    return {"transformer": {k: transformer[k] for k in keys}, "clip_hidden_size": config("text_encoder")["hidden_size"],
-            "clip_length": config("text_encoder")["max_position_embeddings"], "t5_d_model": config("text_encoder_3")["d_model"]}  # fmt: skip
+    return {
+        "transformer": {k: transformer[k] for k in keys},
+        "clip_hidden_size": config("text_encoder")["hidden_size"],
+        "clip_length": config("text_encoder")["max_position_embeddings"],
+        "t5_d_model": config("text_encoder_3")["d_model"],
+    }
 
 
 def step_lines(cmd, cwd, env, pattern, count: int, timeout: float) -> list:

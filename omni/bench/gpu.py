@@ -125,7 +125,8 @@ def arch_settings(arch: str, family, configs, args) -> dict:
     vae_factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
     if args.resolution % (2 * vae_factor):
         raise SystemExit(
-            f"--resolution {args.resolution}: {family.name} takes multiples of {2 * vae_factor} (the VAE's factor {vae_factor} times 2x2 patches)"
+            f"--resolution {args.resolution}: {family.name} takes multiples of {2 * vae_factor} (the VAE's factor "
+            f"{vae_factor} times 2x2 patches)"
         )
     latent_side = args.resolution // vae_factor
     return {
@@ -252,8 +253,15 @@ def bench_rollout(family, pipe, cond, settings: dict, device: torch.device, dtyp
 
     def plain():
         generators = [torch.Generator(device).manual_seed(s) for s in seeds]
-        pipe(**embeds, **family.pipeline_guidance(guidance), num_inference_steps=steps, height=resolution, width=resolution,
-             generator=generators, output_type="pt")  # fmt: skip
+        pipe(
+            **embeds,
+            **family.pipeline_guidance(guidance),
+            num_inference_steps=steps,
+            height=resolution,
+            width=resolution,
+            generator=generators,
+            output_type="pt",
+        )
 
     ours_s, ours_peak = timed(ours, device, settings["repeats"])
     plain_s, plain_peak = timed(plain, device, settings["repeats"])
@@ -461,7 +469,8 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if not 0 < args.micro_batch <= args.batch:
         parser.error(
-            f"--micro-batch {args.micro_batch}: 1 to --batch ({args.batch}); the update takes its rows from the rollout's"
+            f"--micro-batch {args.micro_batch}: 1 to --batch ({args.batch}); the update takes its rows from the "
+            "rollout's"
         )
     return args
 

@@ -417,6 +417,7 @@ def open_cache(directory, key: dict, conditioning: type, skip_bad_rows: bool) ->
     if manifest["stats"].get("skipped_bad") and not skip_bad_rows:
         raise ValueError(
             f"{manifest.get('first_bad') or 'the preference data has bad rows'} (data.latent_cache={directory} was "
-            f"built skipping {manifest['stats']['skipped_bad']} bad row(s)); set data.skip_bad_rows=true to train without them"
+            f"built skipping {manifest['stats']['skipped_bad']} bad row(s)); set data.skip_bad_rows=true to train "
+            "without them"
         )
     return LatentCache(directory, manifest, conditioning)

@@ -238,7 +238,10 @@ class SavedDatasetSource(PairSource):
                     f"{path}: truncated or not an Arrow file ({bad}); write the saved dataset {self.path} "
                     "again with save_to_disk (or copy it whole)"
                 )
-        return f"the saved dataset {self.path} does not load ({type(error).__name__}: {error}); write it again with save_to_disk"
+        return (
+            f"the saved dataset {self.path} does not load ({type(error).__name__}: {error}); write it again with "
+            "save_to_disk"
+        )
 
     def __len__(self) -> int:
         return self.n_rows

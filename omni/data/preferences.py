@@ -134,7 +134,8 @@ def _open_clip(value, base_dir: Path, column: str, num_frames: int, decode: bool
         raise BadRow(f"column '{column}': {error}") from error
     if count != num_frames:
         raise BadRow(
-            f"video {source} in column '{column}' has {count} frames; the run's clips have rollout.num_frames={num_frames}"
+            f"video {source} in column '{column}' has {count} frames; the run's clips have "
+            f"rollout.num_frames={num_frames}"
         )
     return frames
 

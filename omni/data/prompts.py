@@ -64,7 +64,8 @@ def resolve_prompt_file(spec: str, key: str) -> Path:
     path = Path(spec).expanduser()
     if not path.is_file():
         raise FileNotFoundError(
-            f"{key}={spec}: prompt file not found (one prompt a line, JSONL with a 'prompt' field, or CSV with a prompt column)"
+            f"{key}={spec}: prompt file not found (one prompt a line, JSONL with a 'prompt' field, or CSV with a "
+            "prompt column)"
         )
     return path
 

@@ -190,7 +190,8 @@ class FluxFamily(ModelFamily):
             )
         if model.max_sequence_length > MAX_SEQUENCE_LENGTH:
             raise ValueError(
-                f"model.max_sequence_length={model.max_sequence_length}: FLUX's T5 takes at most {MAX_SEQUENCE_LENGTH} tokens"
+                f"model.max_sequence_length={model.max_sequence_length}: FLUX's T5 takes at most "
+                f"{MAX_SEQUENCE_LENGTH} tokens"
             )
 
     # ----------------------------------------------------------------- sampling

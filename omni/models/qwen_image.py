@@ -356,11 +356,13 @@ class QwenImageFamily(ModelFamily):
     def check_settings(self, transformer_config: dict, model, rollout) -> None:
         if model.vae_inversion_steps:
             raise ValueError(
-                f"model.vae_inversion_steps={model.vae_inversion_steps}: Qwen-Image's images are encoded by its VAE's encoder (set 0)"
+                f"model.vae_inversion_steps={model.vae_inversion_steps}: Qwen-Image's images are encoded by its "
+                "VAE's encoder (set 0)"
             )
         if model.max_sequence_length > MAX_SEQUENCE_LENGTH:
             raise ValueError(
-                f"model.max_sequence_length={model.max_sequence_length}: Qwen-Image takes at most {MAX_SEQUENCE_LENGTH} prompt tokens"
+                f"model.max_sequence_length={model.max_sequence_length}: Qwen-Image takes at most "
+                f"{MAX_SEQUENCE_LENGTH} prompt tokens"
             )
 
     # ----------------------------------------------------------------- sampling

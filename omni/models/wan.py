@@ -213,13 +213,15 @@ class WanFamily(ModelFamily):
     def check_settings(self, transformer_config: dict, model, rollout) -> None:
         if model.vae_inversion_steps:
             raise ValueError(
-                f"model.vae_inversion_steps={model.vae_inversion_steps}: Wan's videos are encoded by its VAE's encoder (set 0)"
+                f"model.vae_inversion_steps={model.vae_inversion_steps}: Wan's videos are encoded by its VAE's "
+                "encoder (set 0)"
             )
         frames = rollout.num_frames
         if frames < 1 or (frames - 1) % TEMPORAL_FACTOR:
             raise ValueError(
                 f"rollout.num_frames={frames}: Wan's VAE takes {TEMPORAL_FACTOR}k+1 frames (1, 5, 9, ..., 81); "
-                f"the nearest are {max(1, frames - (frames - 1) % TEMPORAL_FACTOR)} and {frames - (frames - 1) % TEMPORAL_FACTOR + TEMPORAL_FACTOR}"
+                f"the nearest are {max(1, frames - (frames - 1) % TEMPORAL_FACTOR)} and "
+                f"{frames - (frames - 1) % TEMPORAL_FACTOR + TEMPORAL_FACTOR}"
             )
 
     # ----------------------------------------------------------------- loading

@@ -26,7 +26,8 @@ def reward_options(name: str, raw, key: str = "reward.components") -> RewardOpti
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls.Options), raw or {}))
     except Exception as error:  # omegaconf's ValidationError / ConfigKeyError / MissingMandatoryValue
         raise ValueError(
-            f"{key}.{name}: {str(error).splitlines()[0]}; options of '{name}': {list(OmegaConf.structured(cls.Options))}"
+            f"{key}.{name}: {str(error).splitlines()[0]}; options of '{name}': "
+            f"{list(OmegaConf.structured(cls.Options))}"
         ) from None
 
 

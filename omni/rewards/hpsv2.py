@@ -75,7 +75,8 @@ def load_state(path: str, name: str = "hpsv2") -> dict:
         checkpoint = torch.load(Path(path).expanduser(), map_location="cpu", weights_only=True)
     except Exception as error:  # pickle, zip or weights-only errors: say which file
         raise ValueError(
-            f"reward.components.{name}.path={path}: reward '{name}' cannot read this HPS checkpoint with torch.load ({error})"
+            f"reward.components.{name}.path={path}: reward '{name}' cannot read this HPS checkpoint with torch.load "
+            f"({error})"
         ) from None
     state = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict):
@@ -107,7 +108,8 @@ class Hpsv2(Reward):
             model.load_state_dict(load_state(options.path, self.name))
         except RuntimeError as error:
             raise ValueError(
-                f"reward.components.{self.name}.path={options.path}: not an HPS checkpoint of {name}: {str(error)[:300]}"
+                f"reward.components.{self.name}.path={options.path}: not an HPS checkpoint of {name}: "
+                f"{str(error)[:300]}"
             ) from None
         self.device = torch.device(options.device)
         self.model = model.to(self.device, DTYPES[options.dtype]).eval().requires_grad_(False)

@@ -254,7 +254,8 @@ class SceneGeneval(Reward):
             raise ValueError(f"{key}.foreground={options.foreground} must lie between 0 and sqrt(3) (an RGB distance)")
         if not 0 <= options.min_area < options.max_area <= 1:
             raise ValueError(
-                f"{key}: min_area={options.min_area} and max_area={options.max_area} are shares of the image, 0 <= min_area < max_area <= 1"
+                f"{key}: min_area={options.min_area} and max_area={options.max_area} are shares of the image, 0 <= "
+                "min_area < max_area <= 1"
             )
 
     @classmethod

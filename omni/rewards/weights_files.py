@@ -43,7 +43,10 @@ def _safetensors_problem(path: Path) -> Optional[str]:
     ]
     expected = 8 + length + max(ends, default=0)
     if expected != size:
-        return f"its tensors end at byte {expected}, the file has {size}: {'truncated' if size < expected else 'trailing bytes'}"
+        return (
+            f"its tensors end at byte {expected}, the file has {size}: "
+            f"{'truncated' if size < expected else 'trailing bytes'}"
+        )
     return None
 
 
@@ -91,7 +94,8 @@ def check_weights_dir(directory, key: str, name: str) -> None:
         problem = weights_problem(path)
         if problem:
             raise ValueError(
-                f"{key}={directory}: reward '{name}' cannot use its weights file {path}: {problem}; copy or download it again"
+                f"{key}={directory}: reward '{name}' cannot use its weights file {path}: {problem}; copy or "
+                "download it again"
             )
 
 

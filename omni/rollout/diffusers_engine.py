@@ -72,9 +72,17 @@ class DiffusersEngine:
     def generate(self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions) -> RolloutBatch:
         with self._sampling_mode():
             return sample_rollout(
-                self.family, self.pipe, prompts, seeds, options, self.micro_batch_size, self.device, self.dtype, self.prompts,
+                self.family,
+                self.pipe,
+                prompts,
+                seeds,
+                options,
+                self.micro_batch_size,
+                self.device,
+                self.dtype,
+                self.prompts,
                 self.keep_uncond,
-            )  # fmt: skip
+            )
 
     @contextlib.contextmanager
     def _sampling_mode(self):

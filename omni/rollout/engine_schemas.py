@@ -77,7 +77,10 @@ def openapi_extra(route: str, media_type: str) -> Dict[str, Any]:
     """The route's request body for /docs: a safetensors blob whose JSON is the route's model."""
     model = REQUESTS[route]
     blob = {"schema": {"type": "string", "format": "binary"}, "x-omni-json-metadata": model.model_json_schema()}
-    doc = f"a safetensors blob (omni.rollout.transport.pack); its metadata's JSON object is a {model.__name__}: {model.__doc__.strip()}"
+    doc = (
+        f"a safetensors blob (omni.rollout.transport.pack); its metadata's JSON object is a {model.__name__}: "
+        f"{model.__doc__.strip()}"
+    )
     answer = ANSWERS.get(route)
     responses = {
         "200": {

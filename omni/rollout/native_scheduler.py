@@ -73,7 +73,8 @@ class FlowGRPOScheduler(FlowMatchEulerDiscreteScheduler):
         if run is None or run.index != run.options.num_steps:
             done = 0 if run is None else run.index
             raise RuntimeError(
-                f"the pipeline took {done} scheduler steps; the rollout asked for {run.options.num_steps if run else '?'}"
+                f"the pipeline took {done} scheduler steps; the rollout asked for "
+                f"{run.options.num_steps if run else '?'}"
             )
         return Trajectory(
             torch.stack(run.trajectory, 1).cpu(), torch.stack(run.log_probs, 1).cpu(), self.sigmas.float().cpu().clone()

@@ -84,7 +84,10 @@ def family_problem(family: str) -> Optional[str]:
         if native is not None
         else "vLLM-Omni has no pipeline for it that omni-recipes extends"
     )
-    return f"rollout.options.backend=native: model.family={family}: {detail}; {supported()}; or use rollout.options.backend=vllm"
+    return (
+        f"rollout.options.backend=native: model.family={family}: {detail}; {supported()}; or use "
+        "rollout.options.backend=vllm"
+    )
 
 
 def request_guidance(family: str, guidance_scale: float) -> Tuple[Dict[str, Any], Dict[str, Any]]:

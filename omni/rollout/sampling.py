@@ -82,7 +82,7 @@ class PromptCache:
                 )
             self.encoded += len(missing)
             for i, key in enumerate(missing):
-                self.rows[key] = new.apply(lambda t: t[i : i + 1].cpu())
+                self.rows[key] = new.apply(lambda t, i=i: t[i : i + 1].cpu())
         for key in keys:
             self.rows.move_to_end(key)
         cond = type(self.rows[keys[0]]).cat([self.rows[k] for k in keys]).apply(lambda t: t.to(self.device))
@@ -213,7 +213,7 @@ def sample_rollout(
         sample_trajectories(
             family,
             pipe,
-            cond.apply(lambda t: t[s : s + micro_batch_size]),
+            cond.apply(lambda t, s=s: t[s : s + micro_batch_size]),
             seeds[s : s + micro_batch_size],
             sigmas,
             options,

@@ -23,8 +23,9 @@ of the noise x1 = x + (1 - sigma) v, the step to sigma' is
 so x' is (1 - sigma') x0 plus noise of total std sigma', exactly the marginal's
 coefficients: the SDE step instead inflates the noise at low sigma, and its samples stay
 noisy. The step that lands on sigma' = 0 has no noise (it is the ODE's Euler step): it
-carries no log-probability and no sampler treats it as stochastic (`noisy_steps`). Both the rollout engine and the actor call these
-functions, so the log-probs they compute agree by construction.
+carries no log-probability and no sampler treats it as stochastic (`noisy_steps`). Both
+the rollout engine and the actor call these functions, so the log-probs they compute
+agree by construction.
 
 The step and its log-prob are computed in at least fp32 whatever the transformer's dtype:
 in bf16 a log-prob is off by about 1e-3, ten times the ratio's clip range.

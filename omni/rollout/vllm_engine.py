@@ -226,7 +226,8 @@ class VllmEngine:
                 raise error from None
             how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
             raise EngineUnreachable(
-                f"the rollout engine process (pid {self.process.pid}) is gone: {how}; its log: {self.shared_dir / 'engine.log'} ({error})"
+                f"the rollout engine process (pid {self.process.pid}) is gone: {how}; its log: "
+                f"{self.shared_dir / 'engine.log'} ({error})"
             ) from None
 
     # ----------------------------------------------------------------- start / attach
@@ -388,7 +389,8 @@ def _wait_until_healthy(url: str, process: subprocess.Popen, log: Path, options:
     client.close()
     _stop_process(process)
     raise TimeoutError(
-        f"the vLLM-Omni engine did not answer {url}/health within {timeout:.0f} s (rollout.options.startup_timeout); see {log}"
+        f"the vLLM-Omni engine did not answer {url}/health within {timeout:.0f} s "
+        f"(rollout.options.startup_timeout); see {log}"
     )
 
 

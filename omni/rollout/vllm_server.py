@@ -16,8 +16,9 @@ API (bodies are `omni.rollout.transport.pack` blobs, whose JSON each route types
 
 Backends: `vllm` (AsyncOmni with `FlowGRPOPipeline` and our worker extension, one
 request per image), `native` (AsyncOmni with vLLM-Omni's own pipeline of the family and our
-SDE scheduler, `omni.rollout.vllm_native`; LoRA through vLLM-Omni's LoRA manager) and `local` (the same pipeline class called in this process, through
-the same request/answer mapping: runs without vLLM, for tests and debugging).
+SDE scheduler, `omni.rollout.vllm_native`; LoRA through vLLM-Omni's LoRA manager) and
+`local` (the same pipeline class called in this process, through the same request/answer
+mapping: runs without vLLM, for tests and debugging).
 """
 
 # No `from __future__ import annotations`: FastAPI reads the routes' parameter types at run
@@ -194,7 +195,8 @@ class VllmOmniBackend:
         answer = self._rpc(method, *args, path)
         if not isinstance(answer, dict) or "has_base" not in answer:
             raise RuntimeError(
-                f"vLLM-Omni's worker failed {method} on {path} (it answered {answer!r}); its traceback is in the engine log"
+                f"vLLM-Omni's worker failed {method} on {path} (it answered {answer!r}); its traceback is in the "
+                "engine log"
             )
         return answer
 

@@ -6,10 +6,11 @@ in-process worker or with the group.
 Each worker is an `ActorRolloutWorker` (its FSDP shard of the actor, its own rollout engine)
 inside `RayActorRolloutWorker`, a thin verl `Worker`. Rollouts split prompts and seeds over
 the workers and join the parts; updates give every worker an equal shard of the batch and
-the algorithm's update function to run on it (FSDP averages the gradients); weight sync, checkpoint collection and restore
-run on every worker, since collecting from FSDP is collective, and rank 0's whole tensors
-come back. A worker that fails stops the group at once (the others would wait in a
-collective forever): the driver kills the workers and raises `WorkerFailure` naming it.
+the algorithm's update function to run on it (FSDP averages the gradients); weight sync,
+checkpoint collection and restore run on every worker, since collecting from FSDP is
+collective, and rank 0's whole tensors come back. A worker that fails stops the group at
+once (the others would wait in a collective forever): the driver kills the workers and
+raises `WorkerFailure` naming it.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ def test_jsonl_items_carry_their_metadata_and_line(tmp_path):
 
     path = tmp_path / "items.jsonl"
     path.write_text(
-        '{"prompt": "a photo of a bench", "tag": "single_object", "include": [{"class": "bench", "count": 1}]}\n\n{"prompt": "a cat", "tag": "colors"}\n'
+        '{"prompt": "a photo of a bench", "tag": "single_object", "include": [{"class": "bench", "count": 1}]}\n\n'
+        '{"prompt": "a cat", "tag": "colors"}\n'
     )
     prompts = load_prompts(str(path))
     assert prompts == ["a photo of a bench", "a cat"] and prompts[1].origin == f"{path}, line 3"

@@ -46,9 +46,10 @@ CASES = [
     (["+reward.weights.aesthetic=1.0"], "reward.weights: no such key"),
     (
         ["model=sd3", "model.path=stabilityai/stable-diffusion-3.5-medium"],
-        "model.path=stabilityai/stable-diffusion-3.5-medium: no such local directory; it looks like a Hugging Face hub id, "
-        "but models load from local directories: download it once (huggingface-cli download "
-        "stabilityai/stable-diffusion-3.5-medium --local-dir /ckpt/stable-diffusion-3.5-medium)",
+        "model.path=stabilityai/stable-diffusion-3.5-medium: no such local directory; "
+        "it looks like a Hugging Face hub id, but models load from local directories: "
+        "download it once (huggingface-cli download stabilityai/stable-diffusion-3.5-medium "
+        "--local-dir /ckpt/stable-diffusion-3.5-medium)",
     ),
     (["rollout=vllm", f"rollout.options.url=http://127.0.0.1:{free_port()}"], "rollout.options.url=http://127.0.0.1:"),
 ]

@@ -35,8 +35,16 @@ def digest(run_dir: Path) -> dict:
 
 
 def start(run_dir, cache, *overrides, flags=()):
-    command = [sys.executable, "recipes/train.py", *flags, f"hydra.run.dir={run_dir}", f"model.cache_dir={cache}", "trainer.progress_bar=false",
-               *SMALL, *overrides]  # fmt: skip
+    command = [
+        sys.executable,
+        "recipes/train.py",
+        *flags,
+        f"hydra.run.dir={run_dir}",
+        f"model.cache_dir={cache}",
+        "trainer.progress_bar=false",
+        *SMALL,
+        *overrides,
+    ]
     return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -60,7 +68,8 @@ REFUSED = {
     ),
     "fresh run": (
         [],
-        "holds checkpoints of an earlier run (step_000001, step_000002) that this run would write over: it starts at step 0",
+        "holds checkpoints of an earlier run (step_000001, step_000002) that this run would write over: it starts "
+        "at step 0",
     ),
     "explicit older step": (
         ["trainer.resume={run_dir}/checkpoints/step_000001"],
@@ -68,7 +77,8 @@ REFUSED = {
     ),
     "none usable": (
         ["trainer.resume=auto"],
-        "trainer.resume=auto found checkpoints in {run_dir}/checkpoints but none it can use: {run_dir}/checkpoints/step_000002/trainer_state.pt",
+        "trainer.resume=auto found checkpoints in {run_dir}/checkpoints but none it can use: "
+        "{run_dir}/checkpoints/step_000002/trainer_state.pt",
     ),
 }
 
@@ -191,8 +201,10 @@ def test_training_starts_from_an_existing_lora(two_checkpoints, tmp_path, tiny_c
         outputs["from the LoRA"][-2000:]
     )
     refused = {
-        "rank 16": f"model.lora.init_from={saved}: {saved}/pytorch_lora_weights.safetensors: saved LoRA rank 8, configured 16 (model.lora.rank)",
-        "missing": f"model.lora.init_from={tmp_path}/none.safetensors: {tmp_path}/none.safetensors: no such LoRA file or directory",
+        "rank 16": f"model.lora.init_from={saved}: {saved}/pytorch_lora_weights.safetensors: saved LoRA rank 8, "
+        "configured 16 (model.lora.rank)",
+        "missing": f"model.lora.init_from={tmp_path}/none.safetensors: {tmp_path}/none.safetensors: no such LoRA "
+        "file or directory",
     }
     for case, message in refused.items():
         assert runs[case].returncode != 0 and message in outputs[case], f"{case}: {outputs[case][-2000:]}"

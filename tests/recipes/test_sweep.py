@@ -15,8 +15,12 @@ from tests.conftest import one_process_group_at_a_time
 
 REPO = Path(__file__).resolve().parents[2]
 SHORT = [
-    "trainer.steps=1", "trainer.batch_size=8", "algorithm.group_size=4", "trainer.eval_images_per_prompt=1", "rollout.num_steps=4",
-]  # fmt: skip
+    "trainer.steps=1",
+    "trainer.batch_size=8",
+    "algorithm.group_size=4",
+    "trainer.eval_images_per_prompt=1",
+    "rollout.num_steps=4",
+]
 
 
 def sweep(sweep_dir, cache, *overrides, timeout=600):
@@ -57,8 +61,17 @@ def test_optuna_multirun_gives_each_job_its_directory_and_ray_and_maximises_the_
 
 def test_sweep_with_a_bad_job_is_refused_before_any_job_starts(tmp_path, tiny_cache):
     """The bad job comes last: without the check the good one would have run first."""
-    command = [sys.executable, "recipes/train.py", "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", f"model.cache_dir={tiny_cache}",
-               "trainer.progress_bar=false", *SHORT, "trainer.lr=1e-2,-1", "model.lora.rank=4,0"]  # fmt: skip
+    command = [
+        sys.executable,
+        "recipes/train.py",
+        "-m",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        f"model.cache_dir={tiny_cache}",
+        "trainer.progress_bar=false",
+        *SHORT,
+        "trainer.lr=1e-2,-1",
+        "model.lora.rank=4,0",
+    ]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
@@ -78,14 +91,24 @@ def test_sweep_of_good_jobs_runs_them_all(tmp_path, tiny_cache):
 
 def test_search_with_bad_fixed_settings_is_refused_before_any_trial(tmp_path, tiny_cache):
     """An Optuna search draws its trials as it goes; its fixed settings are checked first."""
-    command = [sys.executable, "recipes/train.py", "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", f"model.cache_dir={tiny_cache}",
-               "hparams_search=optuna", "experiment=tiny_sweep", "hydra.sweeper.n_trials=1", "trainer.steps=-1"]  # fmt: skip
+    command = [
+        sys.executable,
+        "recipes/train.py",
+        "-m",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        f"model.cache_dir={tiny_cache}",
+        "hparams_search=optuna",
+        "experiment=tiny_sweep",
+        "hydra.sweeper.n_trials=1",
+        "trainer.steps=-1",
+    ]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 1 and not (tmp_path / "sweep").exists()
     assert (
         result.stderr.strip()
         .splitlines()[-1]
         .startswith(
-            "the sweep is refused before any job starts, 1 of its 1 jobs cannot run: job #0 (the fixed settings): trainer.steps=-1"
+            "the sweep is refused before any job starts, 1 of its 1 jobs cannot run: job #0 (the fixed settings): "
+            "trainer.steps=-1"
         )
     )

@@ -32,9 +32,11 @@ def served_reward(*overrides, log):
             try:
                 httpx.get(f"{url}/health", timeout=1.0).raise_for_status()
                 break
-            except httpx.TransportError:
+            except httpx.TransportError as error:
                 if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the reward server did not start: {Path(log.name).read_text()[-2000:]}")
+                    raise RuntimeError(
+                        f"the reward server did not start: {Path(log.name).read_text()[-2000:]}"
+                    ) from error
                 time.sleep(0.2)
         yield url
     finally:

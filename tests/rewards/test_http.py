@@ -177,7 +177,8 @@ def test_geneval_prompts_need_their_metadata():
     url = "reward.components.http.url=http://127.0.0.1:8000"
     with pytest.raises(
         ConfigError,
-        match=r"data.train=omni:colors_train: .*colors_train.txt, line 1: reward.components.http needs metadata \['tag', 'include'\]",
+        match=r"data.train=omni:colors_train: .*colors_train.txt, line 1: reward.components.http needs metadata "
+        r"\['tag', 'include'\]",
     ):
         validate(compose_config(["reward=geneval", url]))
     cfg = validate(compose_config(["reward=geneval", "data=geneval", url]))
@@ -199,7 +200,8 @@ def test_served_ocr_gets_metadata_and_refuses_prompts_without_text():
         assert remote.score(image, [Prompt("a shop sign", {"text": "BAKERY"})]).tolist() == [1.0]
         with pytest.raises(
             RewardUnavailable,
-            match="refused the request: HTTP 400: .*request prompt 0.*'a shop sign'.*reward 'ocr' needs the target text",
+            match="refused the request: HTTP 400: .*request prompt 0.*'a shop sign'"
+            ".*reward 'ocr' needs the target text",
         ):
             remote.score(image, [Prompt("a shop sign")])
 

@@ -192,7 +192,8 @@ BAD_LINES = [  # (line, what the error names), one per kind of fault
         "class 'hexagon' is not a scene shape",
     ),
     (
-        '{"prompt": "a photo of a teal circle", "tag": "colors", "include": [{"class": "circle", "count": 1, "color": "teal"}]}',
+        '{"prompt": "a photo of a teal circle", "tag": "colors", "include": [{"class": "circle", "count": 1, '
+        '"color": "teal"}]}',
         "color 'teal'",
     ),
     (
@@ -200,7 +201,8 @@ BAD_LINES = [  # (line, what the error names), one per kind of fault
         "count 7 is not",
     ),
     (
-        '{"prompt": "a circle near a square", "tag": "position", "include": [{"class": "circle", "count": 1}, {"class": "square", "count": 1, "position": ["near", 0]}]}',
+        '{"prompt": "a circle near a square", "tag": "position", "include": [{"class": "circle", "count": 1}, '
+        '{"class": "square", "count": 1, "position": ["near", 0]}]}',
         "relation 'near'",
     ),
     ('{"prompt": "a photo of a circle"}', "a 'tag' among"),

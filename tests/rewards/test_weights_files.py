@@ -62,7 +62,8 @@ def test_truncated_weights_in_a_clip_model_directory_are_named(clip_dir, tmp_pat
     truncate(weights, 0.9)
     with pytest.raises(
         ConfigError,
-        match=rf"reward.components.pickscore.path={damaged}: reward 'pickscore' cannot use its weights file {weights}: .*truncated",
+        match=rf"reward.components.pickscore.path={damaged}: reward 'pickscore' cannot use its weights file "
+        rf"{weights}: .*truncated",
     ):
         validate(compose_config(["reward=pickscore", f"reward.components.pickscore.path={damaged}"], tmp_path))
 

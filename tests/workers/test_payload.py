@@ -25,8 +25,15 @@ def nbytes(*tensors) -> int:
 
 def test_a_grpo_shard_carries_only_its_rows_and_no_images():
     options = SamplingOptions(STEPS, 64, 4.5, 0.7, 16, (0, STEPS))
-    rollout = RolloutBatch(["p"] * N, torch.rand(N, 3, 64, 64), torch.randn(N, STEPS + 1, 4, 8, 8), torch.randn(N, STEPS),
-                           torch.linspace(1, 0, STEPS + 1), cond(N), options)  # fmt: skip
+    rollout = RolloutBatch(
+        ["p"] * N,
+        torch.rand(N, 3, 64, 64),
+        torch.randn(N, STEPS + 1, 4, 8, 8),
+        torch.randn(N, STEPS),
+        torch.linspace(1, 0, STEPS + 1),
+        cond(N),
+        options,
+    )
     batch = GRPOBatch(rollout, torch.randn(N))
     for rows in equal_shards(N, 2):
         shard = batch.select(rows)
