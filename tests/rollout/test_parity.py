@@ -7,7 +7,8 @@ The faults are injected into the real diffusers engine by `FaultyEngine`, a test
 subclass (fault injection, not a fake: it samples with the real pipeline and PEFT adapter)
 standing in for an engine that loads weights wrongly: an adapter bound to one module fewer
 (its tensors dropped, as a lenient loader skips names it cannot place), a sync it ignores
-(a stale adapter), or its adapter at the wrong scale (alpha where PEFT scales by alpha / rank).
+(a stale adapter), its adapter at the wrong scale (alpha where PEFT scales by alpha / rank),
+or, subtler, its LoRA computed in bf16 on a bf16 base where the actor's is fp32.
 """
 
 import pytest
@@ -18,7 +19,7 @@ from omni.rollout import diffusers_engine
 from omni.rollout.parity import ParityError, compare, rescored_in_eval_mode
 from omni.trainer import run
 from omni.validation import validate
-from omni.weights import lora_module_names
+from omni.weights import lora_module_names, lora_tensors
 from tests.conftest import compose_config
 from tests.workers.test_actor_rollout import make_worker, randomise_lora, rollout
 
@@ -54,6 +55,9 @@ class FaultyEngine(diffusers_engine.DiffusersEngine):
             for module in self.transformer.modules():
                 if isinstance(getattr(module, "scaling", None), dict) and self.adapter_name in module.scaling:
                     module.scaling[self.adapter_name] = lora.alpha
+        if self.fault == "bf16_lora":
+            for param in lora_tensors(self.transformer, self.adapter_name).values():
+                param.data = param.data.bfloat16()
         return None
 
 
@@ -104,6 +108,17 @@ def test_a_faulty_engine_stops_the_run_at_that_sync_naming_what_differs(
     message = str(info.value)
     assert named in message and where in message, message
     assert "rollout.engine=diffusers" in message and "Training stopped" in message
+
+
+def test_the_default_tolerances_catch_a_lora_computed_in_bf16(faulty_engine, tiny_cache, tmp_path):
+    """A mismatch of the size of Flow-GRPO's clip range (the engine's LoRA in bf16: mean |ratio - 1|
+    ~1e-4 here, largest log-prob difference 5e-4) against a healthy bf16 sync's 0 on the CPU: the
+    defaults tell them apart (tolerances 10x looser would not)."""
+    faulty_engine.fault = "bf16_lora"
+    _, worker = make_worker(tiny_cache, tmp_path, OWN_COPY, "model.dtype=bfloat16")
+    randomise_lora(worker)
+    with pytest.raises(ParityError, match=r"mean \|ratio - 1\| [0-9.e-]+ > rollout.parity.max_mean_ratio_deviation"):
+        worker.sync_weights()
 
 
 def test_without_the_gate_the_faulty_engine_goes_unnoticed(faulty_engine, tiny_cache, tmp_path):
