@@ -15,7 +15,7 @@ import torch
 
 from omni import seeding
 from omni.rewards.streaming import StreamedScores
-from omni.rollout.base import RolloutBatch, SamplingOptions
+from omni.rollout.base import RolloutBatch, SamplingOptions, run_sampling_options
 from omni.rollout.sde import noisy_steps, sde_window
 
 if TYPE_CHECKING:
@@ -50,18 +50,7 @@ class StepContext:
     def sampling_options(self, sde_steps: Tuple[int, int] = (0, 0)) -> SamplingOptions:
         """Sampling with SDE steps [start, stop); the default (0, 0) is the deterministic ODE
         sampling of evaluation."""
-        rollout = self.cfg.rollout
-        return SamplingOptions(
-            num_steps=rollout.num_steps,
-            resolution=rollout.resolution,
-            guidance_scale=rollout.guidance_scale,
-            noise_level=rollout.noise_level,
-            max_sequence_length=self.cfg.model.max_sequence_length,
-            sde_steps=sde_steps,
-            sde_type=rollout.sde_type.value,
-            ode_solver=rollout.ode_solver.value,
-            num_frames=rollout.num_frames,
-        )
+        return run_sampling_options(self.cfg, sde_steps)
 
     def sample_and_score(
         self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions

@@ -8,7 +8,7 @@ name (`...to_q.lora_A.weight`). Loading is strict: a missing or unexpected name 
 from __future__ import annotations
 
 import re
-from typing import Dict
+from typing import Dict, List
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
@@ -41,6 +41,12 @@ def add_lora_adapter(transformer, lora: LoraConfig) -> None:
 
 def is_lora_name(name: str) -> bool:
     return bool(_LORA_KEY.search(name))
+
+
+def lora_module_names(names) -> List[str]:
+    """The modules (plain names, `...attn.to_q`) that LoRA tensor names (PEFT's, with or
+    without the adapter name) belong to, sorted, each once."""
+    return sorted({name[: match.start()] for name in names if (match := _LORA_KEY.search(name))})
 
 
 def plain_base_names(module: torch.nn.Module) -> Dict[str, torch.Tensor]:

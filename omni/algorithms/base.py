@@ -63,6 +63,13 @@ class Algorithm:
         """Release what `setup` opened (data loader workers)."""
 
 
+def sync_engine(worker) -> Dict[str, float]:
+    """Sync the rollout engine with the trained weights: `time/sync`, and the parity gate's
+    figures (`sync/parity_*`, omni/rollout/parity.py) when it checked this sync."""
+    metrics = worker.sync_weights()
+    return {"time/sync": metrics["sync/seconds"], **{k: v for k, v in metrics.items() if k.startswith("sync/parity_")}}
+
+
 @dataclass
 class ScoredRollout:
     prompts: List[str]

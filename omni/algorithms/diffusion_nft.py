@@ -32,7 +32,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from omni import seeding
-from omni.algorithms.base import Algorithm, grouped_rollout
+from omni.algorithms.base import Algorithm, grouped_rollout, sync_engine
 from omni.algorithms.dpo import noisy_latents, sample_sigmas
 from omni.algorithms.flow_grpo import check_groups, clip_advantages, masked_group_advantages
 from omni.config.algorithm import AdvantageNorm, AlgorithmConfig, SigmaSampling
@@ -229,7 +229,7 @@ class DiffusionNFT(Algorithm):
         tick = time.perf_counter()
         metrics = worker.apply_update(update, batch, update_seed(self.cfg.seed, step))
         timings = {**rollout.timings, "time/update": time.perf_counter() - tick}
-        timings["time/sync"] = worker.sync_weights()["sync/seconds"]
+        timings.update(sync_engine(worker))
         return {**rollout.reward_metrics(), **{f"train/{k}": v for k, v in metrics.items()}, **timings}
 
 

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from omni import seeding
-from omni.algorithms.base import Algorithm
+from omni.algorithms.base import Algorithm, sync_engine
 from omni.algorithms.dpo_pairs import EVAL_CHUNK, PairBatch, PairData, split_digest
 from omni.config.algorithm import AlgorithmConfig, SigmaSampling
 from omni.config.errors import require
@@ -316,7 +316,7 @@ class OfflineDPO(Algorithm):
         timings = {
             "time/data": data_s,
             "time/update": time.perf_counter() - tick,
-            "time/sync": worker.sync_weights()["sync/seconds"],
+            **sync_engine(worker),
         }
         return {**{f"train/{k}": v for k, v in metrics.items()}, **timings, **self.data_stats}
 

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from omni import seeding
-from omni.algorithms.base import Algorithm, grouped_rollout
+from omni.algorithms.base import Algorithm, grouped_rollout, sync_engine
 from omni.config.algorithm import AdvantageNorm, AlgorithmConfig, CFGGradient, KLType
 from omni.config.errors import require
 from omni.context import update_seed
@@ -375,7 +375,7 @@ class FlowGRPO(Algorithm):
             self.update, GRPOBatch(rollout.batch, advantages), update_seed(self.cfg.seed, step)
         )
         timings = {**rollout.timings, "time/update": time.perf_counter() - tick}
-        timings["time/sync"] = worker.sync_weights()["sync/seconds"]
+        timings.update(sync_engine(worker))
         return {**rollout.reward_metrics(), **{f"train/{k}": v for k, v in metrics.items()}, **timings}
 
 

@@ -15,7 +15,7 @@ from typing import Dict
 import torch
 
 from omni.algorithms import dpo
-from omni.algorithms.base import Algorithm, grouped_rollout
+from omni.algorithms.base import Algorithm, grouped_rollout, sync_engine
 from omni.algorithms.flow_grpo import check_groups
 from omni.context import update_seed
 
@@ -63,7 +63,7 @@ class OnlineDPO(Algorithm):
             pairs = dpo.PairBatch(x0[chosen], x0[rejected], rollout.batch.cond.apply(lambda t: t[chosen]))
             metrics = worker.apply_update(dpo.update, pairs, update_seed(cfg.seed, step))
             timings["time/update"] = time.perf_counter() - tick
-            timings["time/sync"] = worker.sync_weights()["sync/seconds"]
+            timings.update(sync_engine(worker))
         return {
             **rollout.reward_metrics(),
             "train/pairs": float(len(chosen)),

@@ -4,7 +4,7 @@ What every engine takes; an engine with options of its own declares them in its 
 (`Options`, a subclass of `RolloutConfig`, stored as `schema/rollout/<engine>`)."""
 
 import importlib.metadata
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import List, Optional
@@ -45,6 +45,38 @@ class ODESolverType(str, Enum):
 
 
 @dataclass
+class ParityConfig:
+    """`rollout.parity`: the gate that checks, after a weight sync, that an engine with weights
+    of its own (rollout.share_actor=false, rollout=vllm) samples with the policy the actor
+    trains (omni/rollout/parity.py). The engine samples a probe, the actor re-scores it."""
+
+    # Which syncs are checked: the first two (the set-up's, the first after an update), then
+    # every `every`-th (10: syncs 1, 2, 10, 20, ...); 1: every sync; 0: none (the gate is off).
+    every: int = 10
+    # Images of the probe rollout (fixed prompts, the run's sampling options, every noisy step
+    # stochastic).
+    images: int = 2
+    # Tolerances on the probe's importance ratios (actor over engine, each SDE step of each
+    # image): their mean |ratio - 1| and their largest |log-prob difference|. A healthy sync's
+    # noise floor with the actor's kernels (diffusers; vllm with backend vllm or local): in bf16
+    # on an H200 ~2e-8 mean and ~2.4e-7 largest (docs/benchmarks/gpu/2026-12-04b.json), under
+    # 1e-6 on the CPU (tests/rollout/test_bf16.py), 0 in fp32 on the CPU. The defaults sit 500x
+    # and 400x above the H200 floor and 10x below Flow-GRPO's clip range (1e-4), a mismatch
+    # that would already bend its updates. The vLLM `native` backend's kernels differ from
+    # the actor's (1.3e-4 mean, 7.6e-4 largest in bf16 on the tiny SD3 on a CPU, README): the
+    # gate stops such a run unless these are raised, knowingly.
+    max_mean_ratio_deviation: float = 1e-5
+    max_log_prob_diff: float = 1e-4
+
+    def __post_init__(self) -> None:
+        require(self.every >= 0, f"rollout.parity.every={self.every} must be >= 0 (0: the gate is off)")
+        require(self.images >= 1, f"rollout.parity.images={self.images} must be >= 1")
+        for key in ("max_mean_ratio_deviation", "max_log_prob_diff"):
+            value = getattr(self, key)
+            require(value > 0, f"rollout.parity.{key}={value} must be positive")
+
+
+@dataclass
 class RolloutConfig:
     engine: Engine = MISSING
     num_steps: int = 10
@@ -76,6 +108,8 @@ class RolloutConfig:
     # Keep the text encoders on the CPU between encodings (each prompt's conditioning is
     # cached); they visit the device only to encode prompts not seen lately.
     offload_text_encoders: bool = True
+    # The actor-engine parity gate after weight syncs (an engine with its own weights only).
+    parity: ParityConfig = field(default_factory=ParityConfig)
 
     def __post_init__(self) -> None:
         """The rules on this group's own fields, run when validation builds the schema objects

@@ -34,6 +34,23 @@ class SamplingOptions:
     num_frames: int = 1
 
 
+def run_sampling_options(cfg, sde_steps: Tuple[int, int] = (0, 0)) -> SamplingOptions:
+    """The run's sampling (`rollout.*`, `model.max_sequence_length`) with SDE steps [start,
+    stop); (0, 0): the deterministic ODE sampling of evaluation."""
+    rollout = cfg.rollout
+    return SamplingOptions(
+        num_steps=rollout.num_steps,
+        resolution=rollout.resolution,
+        guidance_scale=rollout.guidance_scale,
+        noise_level=rollout.noise_level,
+        max_sequence_length=cfg.model.max_sequence_length,
+        sde_steps=sde_steps,
+        sde_type=rollout.sde_type.value,
+        ode_solver=rollout.ode_solver.value,
+        num_frames=rollout.num_frames,
+    )
+
+
 @dataclass
 class RolloutBatch:
     prompts: List[str]
@@ -87,6 +104,9 @@ class RolloutEngine(Protocol):
     has_base: bool
     # Whether it samples with the actor's own transformer (then no sync is needed).
     shares_actor: bool
+    # After a LoRA sync, the modules (plain names) its adapter is bound to; None when it
+    # cannot tell (the parity gate, omni/rollout/parity.py, compares them with the actor's).
+    lora_modules: Optional[List[str]]
 
     def generate(self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions) -> RolloutBatch: ...
 

@@ -15,7 +15,7 @@ sampling forwards run without collectives (and workers need not run them in lock
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ from omni.config.rollout import RolloutConfig
 from omni.models.base import Conditioning, ModelFamily
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.sampling import PromptCache, sample_rollout
-from omni.weights import add_lora_adapter, load_base_weights, load_lora_weights
+from omni.weights import add_lora_adapter, load_base_weights, load_lora_weights, lora_module_names, lora_tensors
 
 
 class DiffusersEngine:
@@ -68,6 +68,7 @@ class DiffusersEngine:
         self.keep_uncond = keep_uncond
         self.has_base = has_base or self.shares_actor
         self.adapter_name: Optional[str] = None
+        self.lora_modules: Optional[List[str]] = None  # where its adapter is bound, after the last LoRA sync
 
     def generate(self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions) -> RolloutBatch:
         with self._sampling_mode():
@@ -108,7 +109,8 @@ class DiffusersEngine:
     def update_weights(
         self, named_tensors: Dict[str, torch.Tensor], base_sync_done: bool, lora: Optional[LoraConfig]
     ) -> None:
-        """Base weights (base_sync_done False) or the LoRA of `lora.adapter_name`."""
+        """Base weights (base_sync_done False) or the LoRA of `lora.adapter_name`; after a LoRA
+        sync, `lora_modules` lists the modules its PEFT model carries that adapter on."""
         if self.shares_actor:
             raise RuntimeError("the engine samples with the actor's transformer: there is nothing to sync")
         if not base_sync_done:
@@ -121,6 +123,7 @@ class DiffusersEngine:
             add_lora_adapter(self.transformer, lora)
             self.adapter_name = lora.adapter_name
         load_lora_weights(self.transformer, named_tensors, self.adapter_name)
+        self.lora_modules = lora_module_names(lora_tensors(self.transformer, self.adapter_name))
 
     def shutdown(self) -> None:
         self.pipe = self.transformer = None

@@ -7,7 +7,7 @@ with them (a field missing or of the wrong type is refused naming it, 422). Impo
 server only (pydantic comes with FastAPI).
 """
 
-from typing import Any, Dict, List, Type
+from typing import Any, Dict, List, Optional, Type
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -37,6 +37,9 @@ class SyncAnswer(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     has_base: bool = Field(description="whether the engine holds base weights now (LoRA syncs need them)")
+    lora_modules: Optional[List[str]] = Field(
+        None, description="after a LoRA sync, the modules the adapter is bound to (None: the backend cannot tell)"
+    )
 
 
 class EncodePromptsMeta(BaseModel):

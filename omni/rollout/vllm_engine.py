@@ -210,6 +210,7 @@ class VllmEngine:
         self.shared_dir.mkdir(parents=True, exist_ok=True)
         self._versions = 0
         self._last_sync: Optional[Path] = None
+        self.lora_modules: Optional[list] = None  # as the engine's last LoRA sync answered
         self.has_base = bool(self.client.health()["has_base"])
 
     def _post(self, route: str, body: bytes):
@@ -301,6 +302,8 @@ class VllmEngine:
         # a retried sync loads the same directory again: it is removed only once acknowledged
         _, answer = self._post("update_weights", pack(meta={"path": str(path.resolve())}))
         self.has_base = bool(answer["has_base"])
+        if base_sync_done:  # the native backend's LoRA manager does not say: None
+            self.lora_modules = answer.get("lora_modules")
         if self._last_sync is not None:
             shutil.rmtree(self._last_sync, ignore_errors=True)  # loaded: the engine no longer reads it
         self._last_sync = path

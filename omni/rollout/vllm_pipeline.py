@@ -76,10 +76,12 @@ class FlowGRPOPipeline(torch.nn.Module):
         return None
 
     def sync_weights_from(self, path: str) -> Dict[str, Any]:
-        """Load a weight directory (base or LoRA) written by `omni.rollout.transport`."""
+        """Load a weight directory (base or LoRA) written by `omni.rollout.transport`; after a
+        LoRA, the answer lists the modules the adapter is bound to (`lora_modules`)."""
         kind, tensors, lora = read_weights(path)
         self.engine.update_weights(tensors, base_sync_done=kind == "lora", lora=lora)
-        return {"kind": kind, "tensors": len(tensors), "has_base": self.engine.has_base}
+        answer = {"kind": kind, "tensors": len(tensors), "has_base": self.engine.has_base}
+        return {**answer, "lora_modules": self.engine.lora_modules} if kind == "lora" else answer
 
     @property
     def has_base(self) -> bool:

@@ -30,7 +30,8 @@ from omni.models import get_family
 from omni.models.base import Conditioning
 from omni.rollout import build_engine, shares_actor
 from omni.rollout.base import RolloutBatch, SamplingOptions
-from omni.weights import add_lora_adapter, module_lora_names
+from omni.rollout.parity import ParityGate
+from omni.weights import add_lora_adapter, lora_module_names, module_lora_names
 from omni.workers.sharding import average_gradients, clip_grad_norm, wrap_fsdp
 
 
@@ -100,6 +101,8 @@ class ActorRolloutWorker:
         )
         shared = self.actor if shares_actor(self.cfg) else None
         self.engine = build_engine(self.cfg, self.family, self.model_path, self.device, self.dtype, actor=shared)
+        self.parity = None if self.engine.shares_actor else ParityGate.of_run(self.cfg)
+        self.syncs = 0  # weight syncs so far (the parity gate picks some)
         if not (self.full_finetuning and self.engine.has_base):  # else it loaded these very weights
             self.sync_weights()
 
@@ -108,9 +111,11 @@ class ActorRolloutWorker:
         """Push the actor's weights into the engine: with a LoRA, the base first if the
         engine has none, then the LoRA of the configured adapter; with full fine-tuning, the
         whole transformer every time. An engine sampling with the actor's own transformer
-        needs none."""
+        needs none. The syncs `rollout.parity` picks are then checked by the parity gate
+        (`omni.rollout.parity`: `ParityError` when the engine samples another policy), whose
+        figures (`sync/parity_*`) join the sync's."""
         start = time.perf_counter()
-        sent = 0
+        sent, trained_modules = 0, None
         if self.engine.shares_actor:
             return {"sync/seconds": 0.0, "sync/megabytes": 0.0}
         for base_sync_done in self._sync_kinds():
@@ -124,7 +129,15 @@ class ActorRolloutWorker:
             )
             self.engine.update_weights(tensors, base_sync_done=base_sync_done, lora=self.lora_cfg)
             sent += state_nbytes(tensors)
-        return {"sync/seconds": time.perf_counter() - start, "sync/megabytes": sent / 2**20}
+            if base_sync_done and not self.full_finetuning:
+                trained_modules = lora_module_names(tensors)
+        metrics = {"sync/seconds": time.perf_counter() - start, "sync/megabytes": sent / 2**20}
+        self.syncs += 1
+        if self.parity is not None and self.parity.due(self.syncs):
+            metrics.update(
+                self.parity.check(self.syncs, self.family, self.actor, self.dtype, self.engine, trained_modules)
+            )
+        return metrics
 
     def _sync_kinds(self) -> Sequence[bool]:
         """`base_sync_done` of each collection a sync sends (False: the base weights)."""

@@ -221,10 +221,14 @@ class ActorRolloutGroup:
         return self._gather("evaluate_batch", self.workers.evaluate_batch(evaluate, batch, seed))[0]
 
     def sync_weights(self) -> Dict[str, float]:
+        """The slowest worker's seconds; of the parity gate's figures, each worker checks its
+        own engine: the worst of theirs."""
         per_worker = self._gather("sync_weights", self.workers.sync_weights())
+        parity = {key: max(m[key] for m in per_worker) for key in per_worker[0] if key.startswith("sync/parity_")}
         return {
             "sync/seconds": max(m["sync/seconds"] for m in per_worker),
             "sync/megabytes": per_worker[0]["sync/megabytes"],
+            **parity,
         }
 
     def set_lr(self, lr: float) -> float:

@@ -16,7 +16,7 @@ from omni.rollout.vllm_engine import VllmEngine, engine_unavailable, vllm_option
 from omni.rollout.vllm_options import VllmOptions
 from omni.rollout.vllm_protocol import batch_to_tensors
 from omni.validation import ConfigError, validate
-from omni.weights import plain_base_names
+from omni.weights import lora_module_names, plain_base_names
 from tests.conftest import compose_config
 from tests.rollout.conftest import LORA, options, random_lora
 from tests.servers import breaking_proxy
@@ -313,8 +313,13 @@ def test_worker_syncs_into_the_engine_process_and_rescores_exactly(
         with torch.no_grad():
             for p in worker.trainable:
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
-        worker.sync_weights()
+        synced = worker.sync_weights()
         assert written[-1] == sync
+        # the parity gate checked this sync (the second): the engine named the modules its adapter bound
+        assert synced["sync/parity_max_log_prob_diff"] <= 1e-5
+        if cfg.model.lora is not None:
+            assert worker.engine.lora_modules == lora_module_names(worker.lora_state_dict())
+            assert synced["sync/parity_missing_modules"] == 0
         steps = cfg.rollout.num_steps
         opts = options(
             num_steps=steps,
