@@ -7,7 +7,8 @@ checks that the model's weights can be read, then runs two phases: `resolve` fil
 other groups leave to the model family (resolution, guidance, LoRA targets and the modules
 to leave out; float32 for full fine-tuning, `model.lora=null`; the FSDP version), and
 `check` refuses installed dependency versions known to break a path the run takes
-(omni/known_bad.py), types each reward's options and checks every rule across groups (each error names
+(omni/known_bad.py), types each reward's options (and the sentinel's gold rewards,
+omni/sentinel.py's `check_config`) and checks every rule across groups (each error names
 the keys involved; an engine to attach to must answer). It returns the config the run
 uses. The engine's own rules are its module's `check_config`
 (omni/rollout/<engine>_engine.py), the algorithm's its class's `check_config`, and the memory
@@ -36,6 +37,7 @@ from omni.models import get_family
 from omni.models.base import ModelFamily
 from omni.rewards import REWARDS, reward_options
 from omni.rollout import ENGINES, engine_name, shares_actor
+from omni.sentinel import check_config as check_sentinel
 
 __all__ = ["ConfigError", "validate"]
 
@@ -413,6 +415,7 @@ def check(cfg: TrainConfig, family: ModelFamily) -> None:
     check_rewards(cfg.reward)
     check_reward_kinds(cfg.reward, family)
     check_prompts(cfg.data, cfg.reward)
+    check_sentinel(cfg, family)
 
 
 def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:
