@@ -1,5 +1,7 @@
 """The training loop (one driver process): set-up, the algorithm's steps (`omni.algorithms`),
-evaluation on held-out prompts and seeds, logging and checkpoints.
+evaluation on held-out prompts and seeds (watched by the reward-hacking sentinel,
+`omni.sentinel`, when `sentinel.enabled`: it warns, stops, or rolls back to the newest
+checkpoint saved where its rules held), logging and checkpoints.
 
 Everything random is a function of (seed, step): the prompts of a step, the seeds of its
 images, the SDE window and the update's shuffling. A resumed run therefore needs only the
@@ -15,7 +17,7 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -37,6 +39,7 @@ from omni.rewards.base import RewardUnavailable
 from omni.rollout.engine_client import EngineError, EngineUnreachable
 from omni.run_lock import RunLock
 from omni.schedules import lr_factor
+from omni.sentinel import Evaluation, Finding, Sentinel, image_statistics
 from omni.validation import validate
 from omni.workers import WorkerFailure, build_actor_rollout
 
@@ -67,6 +70,10 @@ class TrainingStopped(RuntimeError):
     """The run stopped itself (non-finite gradients); the message names the last checkpoint."""
 
 
+class SentinelStopped(TrainingStopped):
+    """The reward-hacking sentinel stopped the run; the message names the rule, the step and the figures."""
+
+
 def model_path(model) -> str:
     """The checkpoint directory to load: the cached tiny model, built on first use, or model.path."""
     if model.tiny_seed is not None:
@@ -94,6 +101,10 @@ class Trainer:
         self.start_step = 0
         self.bad_steps = 0  # consecutive steps whose update had a non-finite gradient
         self.ema = LoraEMA(cfg.trainer.ema_decay) if cfg.trainer.ema_decay is not None else None
+        watched = cfg.sentinel.enabled
+        self.sentinel = Sentinel(cfg.sentinel) if watched else None
+        # the gold rewards: scored on the evaluations' images, never trained on
+        self.gold = WeightedReward(cfg.sentinel.gold, cfg.reward.batch_size) if watched and cfg.sentinel.gold else None
         self.position = "set-up"  # where the loop is, for a failure's message
 
     @property
@@ -105,6 +116,8 @@ class Trainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         write_text(self.output_dir / CONFIG_FILE, self.config_yaml())
         self.ctx.reward.setup()
+        if self.gold is not None:
+            self.gold.setup()
         keep_reference = self.algorithm.uses_reference(self.cfg)
         self.ctx.worker = build_actor_rollout(self.cfg, model_path(self.cfg.model), keep_reference)
         self.algorithm.setup()
@@ -177,21 +190,81 @@ class Trainer:
 
     def evaluate(self) -> Dict[str, torch.Tensor]:
         """Rewards of ODE samples on the held-out prompts and seeds, one per image."""
+        return self.evaluate_and_watch()[0]
+
+    def evaluate_and_watch(self, step: Optional[int] = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, float], list]:
+        """The held-out rewards (`evaluate`), the evaluation's metrics and, with the sentinel
+        and a `step`, its metrics and findings (`omni.sentinel`) on the same images."""
         n = self.cfg.trainer.eval_images_per_prompt
         prompts = [p for p in self.ctx.eval_prompts for _ in range(n)]
         seeds = step_seeds(self.cfg.trainer.eval_seed, 0, len(prompts))
         with self.evaluated_weights():
-            _, scores, _ = self.ctx.sample_and_score(prompts, seeds, self.ctx.sampling_options())
+            batch, scores, _ = self.ctx.sample_and_score(prompts, seeds, self.ctx.sampling_options())
         valid = self.ctx.reward.finite(scores, self.position)
-        return {name: values[valid] for name, values in scores.items()}
+        held_out = {name: values[valid] for name, values in scores.items()}
+        if self.sentinel is None or step is None:
+            return held_out, self.eval_metrics(held_out), []
+        reward = torch.where(valid, scores["reward"], torch.full_like(scores["reward"], math.nan))
+        gold = self.gold.component_scores(batch.images, prompts) if self.gold is not None else {}
+        now = Evaluation(step, reward, gold, image_statistics(batch.images, batch.latents[:, -1]))
+        found = self.sentinel.judge(now)
+        return held_out, {**self.eval_metrics(held_out), **self.sentinel.metrics(now, found)}, found
+
+    def respond(self, found: List[Finding], step: int) -> bool:
+        """The sentinel's action on what it found at `step`'s evaluation: warn (False), stop
+        (SentinelStopped), or roll back (True: the run continues from the checkpoint loaded)."""
+        if not found:
+            return False
+        message = "; ".join(finding.message for finding in found)
+        action = self.cfg.sentinel.action.value
+        if action == "warn":
+            logger.warning("%s (sentinel.action=warn: training goes on)", message)
+            return False
+        if action == "stop":
+            raise SentinelStopped(f"{message} (sentinel.action=stop)")
+        target = self.rollback_target(step)
+        if target is None or not self.sentinel.can_roll_back():
+            why = (
+                f"no checkpoint was saved at an evaluation where the rules held (held at steps {self.sentinel.held})"
+                if target is None
+                else f"the run already made its sentinel.max_rollbacks={self.cfg.sentinel.max_rollbacks} rollbacks"
+            )
+            raise SentinelStopped(f"{message} (sentinel.action=rollback, but {why})")
+        rollbacks, scale = self.sentinel.rollbacks + 1, self.sentinel.lr_scale * self.cfg.sentinel.lr_factor
+        if self.ema is not None:  # the checkpoint's average replaces the one that went on past it
+            self.ema = LoraEMA(self.cfg.trainer.ema_decay)
+        self.load_checkpoint(target)
+        self.sentinel.rollbacks, self.sentinel.lr_scale = rollbacks, scale
+        logger.warning(
+            "%s; rolled back to %s (the rules held at step %d), learning rate scaled by %g (sentinel.lr_factor=%g; "
+            "rollback %d of at most %d)",
+            message,
+            target,
+            self.start_step,
+            scale,
+            self.cfg.sentinel.lr_factor,
+            rollbacks,
+            self.cfg.sentinel.max_rollbacks,
+        )
+        return True
+
+    def rollback_target(self, step: int) -> Optional[Path]:
+        """The newest of this run's checkpoints saved before `step` at an evaluation where the rules held."""
+        held = [
+            p for p in self.own_checkpoints if p.exists() and checkpoint.step_of(p) < step
+            and checkpoint.step_of(p) in self.sentinel.held
+        ]  # fmt: skip
+        return max(held, key=checkpoint.step_of, default=None)
 
     # ----------------------------------------------------------------- training
     def train(self) -> float:
         trainer, metrics_log = self.cfg.trainer, self.ctx.logger
         self.position = "the evaluation before training"
-        initial = self.evaluate()
-        metrics_log.log(self.eval_metrics(initial), self.start_step, force_console=True)
+        initial, metrics, found = self.evaluate_and_watch(self.start_step)
+        metrics_log.log(metrics, self.start_step, force_console=True)
         if trainer.eval_only:
+            for finding in found:
+                logger.warning(finding.message)
             reward = float(initial["reward"].mean())
             logger.info(
                 "eval-only run (trainer.eval_only=true, no training): held-out reward %.4f at step %d",
@@ -199,6 +272,25 @@ class Trainer:
                 self.start_step,
             )
             return reward
+        self.respond(found, self.start_step)
+        while True:  # again after each rollback of the sentinel's
+            if not self.train_steps():
+                continue
+            self.position = "the final evaluation"
+            final, metrics, found = self.evaluate_and_watch(trainer.steps)
+            metrics_log.log(metrics, trainer.steps, force_console=True)
+            if not self.respond(found, trainer.steps):
+                break
+        self.save_checkpoint(trainer.steps)
+        self.write_eval_summary(initial["reward"], final["reward"])
+        before, after = float(initial["reward"].mean()), float(final["reward"].mean())
+        logger.info("eval reward (held-out prompts and seeds): before %.4f -> after %.4f", before, after)
+        return after
+
+    def train_steps(self) -> bool:
+        """The steps from `start_step` up to `trainer.steps`, with their evaluations and
+        checkpoints; False when the sentinel rolled back (`start_step` is then the checkpoint's)."""
+        trainer, metrics_log = self.cfg.trainer, self.ctx.logger
         bar = tqdm(
             range(self.start_step, trainer.steps),
             desc=self.cfg.algorithm.name,
@@ -206,31 +298,29 @@ class Trainer:
             initial=self.start_step,
             total=trainer.steps,
         )
+        scale = self.sentinel.lr_scale if self.sentinel is not None else 1.0  # lowered by each rollback
         with logging_redirect_tqdm():  # log lines above the bar, not through it
             for step in bar:
                 self.position = f"training step {step + 1}"
                 lr = self.worker.set_lr(
-                    trainer.lr * lr_factor(step, trainer.steps, trainer.lr_schedule.value, trainer.warmup_steps)
+                    trainer.lr * scale * lr_factor(step, trainer.steps, trainer.lr_schedule.value, trainer.warmup_steps)
                 )
                 metrics = {**self.algorithm.step(step), "train/lr": lr}
                 if self.ema is not None:
                     self.ema.update(self.worker.lora_state_dict())
                 self.count_bad_step(metrics, step + 1)
                 bar.set_postfix(progress_fields(metrics), refresh=False)
-                done = step + 1
+                done, found = step + 1, []
                 if trainer.eval_every and done % trainer.eval_every == 0 and done < trainer.steps:
-                    metrics.update(self.eval_metrics(self.evaluate()))
+                    _, evaluation, found = self.evaluate_and_watch(done)
+                    metrics.update(evaluation)
                 metrics_log.log(metrics, done)
+                if self.respond(found, done):
+                    bar.close()
+                    return False
                 if trainer.save_every and done % trainer.save_every == 0 and done < trainer.steps:
                     self.save_checkpoint(done)
-        self.position = "the final evaluation"
-        final = self.evaluate()
-        metrics_log.log(self.eval_metrics(final), trainer.steps, force_console=True)
-        self.save_checkpoint(trainer.steps)
-        self.write_eval_summary(initial["reward"], final["reward"])
-        before, after = float(initial["reward"].mean()), float(final["reward"].mean())
-        logger.info("eval reward (held-out prompts and seeds): before %.4f -> after %.4f", before, after)
-        return after
+        return True
 
     def count_bad_step(self, metrics: Dict[str, float], step: int) -> None:
         """A step whose optimizer steps were skipped for a non-finite gradient (the weights
@@ -271,6 +361,8 @@ class Trainer:
             "config": self.config_yaml(),
             "algorithm": self.algorithm.state_dict(),
         }
+        if self.sentinel is not None:
+            state["sentinel"] = self.sentinel.state_dict()
         weights = self.worker.trained_state_dict()
         if self.ema is not None:
             state["trained_lora"], weights = weights, self.ema.weights(weights)
@@ -294,6 +386,8 @@ class Trainer:
         checkpoint.set_rng_state(state["rng"])
         self.start_step = state["step"]
         self.algorithm.load_state_dict(state.get("algorithm", {}), self.start_step)
+        if self.sentinel is not None:
+            self.sentinel.load_state_dict(state.get("sentinel", {}))
 
     def load_initial_lora(self, path: str) -> None:
         """`model.lora.init_from`: the LoRA training starts from (checked at validation)."""
@@ -320,6 +414,8 @@ class Trainer:
         if self.worker is not None:
             self.worker.shutdown()
         self.ctx.reward.teardown()
+        if self.gold is not None:
+            self.gold.teardown()
 
 
 def run(cfg: DictConfig | TrainConfig) -> float:

@@ -6,7 +6,9 @@ closed sets; each group's rules on its own fields run there, in its `__post_init
 checks that the model's weights can be read, then runs two phases: `resolve` fills what
 other groups leave to the model family (resolution, guidance, LoRA targets and the modules
 to leave out; float32 for full fine-tuning, `model.lora=null`; the FSDP version), and
-`check` types each reward's options and checks every rule across groups (each error names
+`check` refuses installed dependency versions known to break a path the run takes
+(omni/known_bad.py), types each reward's options (and the sentinel's gold rewards,
+omni/sentinel.py's `check_config`) and checks every rule across groups (each error names
 the keys involved; an engine to attach to must answer). It returns the config the run
 uses. The engine's own rules are its module's `check_config`
 (omni/rollout/<engine>_engine.py), the algorithm's its class's `check_config`, and the memory
@@ -29,11 +31,13 @@ from omni.config import TrainConfig
 from omni.config.errors import ConfigError, require
 from omni.config.model import DType
 from omni.data.prompts import load_prompts
+from omni.known_bad import check_known_bad
 from omni.memory import check_memory, resolve_fsdp_version
 from omni.models import get_family
 from omni.models.base import ModelFamily
 from omni.rewards import REWARDS, reward_options
 from omni.rollout import ENGINES, engine_name, shares_actor
+from omni.sentinel import check_config as check_sentinel
 
 __all__ = ["ConfigError", "validate"]
 
@@ -398,7 +402,9 @@ def resolve(cfg: TrainConfig, family: ModelFamily) -> None:
 
 def check(cfg: TrainConfig, family: ModelFamily) -> None:
     """Phase two: every rule across groups, on the resolved config (each group's own rules
-    ran when its schema object was built: `__post_init__` in omni/config/)."""
+    ran when its schema object was built: `__post_init__` in omni/config/). First, installed
+    dependency versions known to break a path the run takes (omni/known_bad.py)."""
+    check_known_bad(cfg)
     check_model(cfg.model, family)
     check_rollout(cfg, family)
     check_resume(cfg.trainer, cfg.model)
@@ -409,6 +415,7 @@ def check(cfg: TrainConfig, family: ModelFamily) -> None:
     check_rewards(cfg.reward)
     check_reward_kinds(cfg.reward, family)
     check_prompts(cfg.data, cfg.reward)
+    check_sentinel(cfg, family)
 
 
 def validate(cfg: DictConfig | TrainConfig) -> TrainConfig:

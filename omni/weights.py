@@ -11,7 +11,6 @@ import re
 from typing import Dict, List
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
 
 from omni.config.model import LoraConfig
 
@@ -19,7 +18,11 @@ _LORA_PART = r"(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector)"
 _LORA_KEY = re.compile(rf"\.{_LORA_PART}\.")
 
 
-def peft_lora_config(lora: LoraConfig) -> PeftLoraConfig:
+def peft_lora_config(lora: LoraConfig):
+    """PEFT's LoraConfig of `lora`; peft is imported here, not with the module, so that
+    composing and validating a config (omni/known_bad.py's check) never import it."""
+    from peft import LoraConfig as PeftLoraConfig
+
     return PeftLoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,

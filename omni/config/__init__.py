@@ -20,6 +20,7 @@ from omni.config.logger import LoggerConfig
 from omni.config.model import FSDPConfig, LoraConfig, ModelConfig
 from omni.config.reward import RewardConfig
 from omni.config.rollout import RolloutConfig
+from omni.config.sentinel import SentinelConfig
 from omni.config.trainer import TrainerConfig
 
 # The config groups: a folder of the package, so an installed (non-editable) omni-recipes has them.
@@ -38,6 +39,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    sentinel: SentinelConfig = field(default_factory=SentinelConfig)
 
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "ModelConfig",
     "RewardConfig",
     "RolloutConfig",
+    "SentinelConfig",
     "TrainConfig",
     "TrainerConfig",
 ]
