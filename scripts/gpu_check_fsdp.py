@@ -34,8 +34,6 @@ from datetime import timedelta
 
 import torch
 
-from omni.distributed import free_port
-
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_out"]  # proj_out: root-level LoRA
 CASES = ("fsdp1_offload", "fsdp1_offload_mp", "fsdp2_mp", "fsdp2_mp_keep", "fsdp2_mp_offload")
 STATES = ("fresh", "nograd_fwd", "grad_fwd")
@@ -191,19 +189,22 @@ def _check(case, state, device) -> dict:
     return {"problems": problems, "digests": digests}
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, device_type: str, cases: list[str]) -> None:
+def _worker(rank: int, world: int, out_dir: str, device_type: str, cases: list[str]) -> None:
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # rendezvous through a file, not a port picked in advance: another process can take such a
+    # port between the pick and the bind, which failed this check once on a busy machine
+    group = dict(rank=rank, world_size=world, timeout=timedelta(seconds=300),
+                 init_method=f"file://{os.path.join(out_dir, 'rendezvous')}")  # fmt: skip
     if device_type == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device, timeout=timedelta(seconds=300))
+        dist.init_process_group("nccl", device_id=device, **group)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+        dist.init_process_group("gloo", **group)
     results = {}
     try:
         for case in cases:
@@ -237,7 +238,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             torch.multiprocessing.start_processes(
-                _worker, args=(world, free_port(), out_dir, device_type, cases), nprocs=world, start_method="spawn"
+                _worker, args=(world, out_dir, device_type, cases), nprocs=world, start_method="spawn"
             )
             per_rank = []
             for r in range(world):

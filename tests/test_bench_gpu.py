@@ -171,6 +171,7 @@ def test_gpu_suite_without_a_gpu_runs_the_cpu_checks_and_says_so(tmp_path):
     report = json.loads(out.read_text())
     assert report["gpu"] is None and "no GPU" in report["note"]
     assert set(report["parts"]) == {"bench_sd3.5-medium", "bench_flux.1-dev", "fsdp"}
-    assert all(part["returncode"] == 0 and part["result"] for part in report["parts"].values())
+    failed = {name: part for name, part in report["parts"].items() if part.get("returncode") != 0 or not part["result"]}
+    assert not failed, json.dumps(failed, indent=1)  # each failed part's JSON and stderr tail
     assert report["parts"]["fsdp"]["result"]["passed"] is True
     assert "async_overlap" in report["not_measured"]
