@@ -16,6 +16,7 @@ from omegaconf import MISSING
 
 from omni.config.algorithm import AlgorithmConfig
 from omni.config.data import DataConfig
+from omni.config.eval import EvalConfig
 from omni.config.logger import LoggerConfig
 from omni.config.model import FSDPConfig, LoraConfig, ModelConfig
 from omni.config.reward import RewardConfig
@@ -38,6 +39,7 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     sentinel: SentinelConfig = field(default_factory=SentinelConfig)
 
@@ -47,6 +49,7 @@ __all__ = [
     "CONF_DIR",
     "AlgorithmConfig",
     "DataConfig",
+    "EvalConfig",
     "FSDPConfig",
     "LoggerConfig",
     "LoraConfig",
