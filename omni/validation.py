@@ -411,9 +411,9 @@ def unknown_keys(node: DictConfig, prefix: str = "") -> list:
 
 def resolve(cfg: TrainConfig, family: ModelFamily) -> None:
     """Phase one: fill in what the groups left null. The model family's native values
-    (resolution, guidance, frames, fps; the evaluation's sampler takes the rollout's), its LoRA targets, the modules its output never
-    depends on (joining `model.lora.exclude_modules`), float32 for full fine-tuning, and
-    `model.fsdp.version=null`'s choice (omni/memory.py)."""
+    (resolution, guidance, frames, fps; the evaluation's sampler takes the rollout's), its
+    LoRA targets, the modules its output never depends on (joining `model.lora.exclude_modules`),
+    float32 for full fine-tuning, and `model.fsdp.version=null`'s choice (omni/memory.py)."""
     rollout, model = cfg.rollout, cfg.model
     if rollout.resolution is None:
         rollout.resolution = model.resolution
