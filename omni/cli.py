@@ -1,5 +1,6 @@
 """The `omni-train` command (installed with the package) and `python recipes/train.py`: the same
-Hydra application, whose config groups ship in the package (`pkg://omni.conf`).
+Hydra application, whose config groups ship in the package (`pkg://omni.conf`); and likewise
+`omni-evaluate` and `python recipes/evaluate.py` (omni/eval_run.py).
 
     omni-train                                   # tiny offline SD3 on the CPU
     omni-train model=sd3 model.path=/ckpt/sd3.5-medium rollout=vllm trainer=gpu
@@ -16,7 +17,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from omni.config import CONFIG_PATH
+from omni.config import CONFIG_PATH, EvaluateConfig
 from omni.config.eval import moved_overrides
 from omni.config.presets import describe_model_algorithm_preset
 from omni.registration import register_configs
@@ -44,3 +45,17 @@ def _train(cfg: DictConfig) -> float:
 def train():
     refuse_moved_keys()
     return _train()
+
+
+@hydra.main(config_path=CONFIG_PATH, config_name="evaluate", version_base="1.3")
+def _evaluate(cfg: DictConfig) -> float:
+    from omni.eval_run import evaluate as run_evaluation
+
+    return run_evaluation(cfg)
+
+
+def evaluate():
+    """`omni-evaluate`: a checkpoint (checkpoint=...) or the base model on held-out prompts."""
+    refuse_moved_keys()
+    register_configs(EvaluateConfig)
+    return _evaluate()

@@ -11,6 +11,7 @@ metadata: what the error of a missing value tells the user to pass.
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 from omegaconf import MISSING
 
@@ -44,12 +45,22 @@ class TrainConfig:
     sentinel: SentinelConfig = field(default_factory=SentinelConfig)
 
 
+@dataclass
+class EvaluateConfig(TrainConfig):
+    """`omni-evaluate`'s config (omni/conf/evaluate.yaml): a training config, and the checkpoint
+    to evaluate."""
+
+    # A run's saved checkpoint directory (<run dir>/checkpoints/step_NNNNNN); null: the base model.
+    checkpoint: Optional[str] = None
+
+
 __all__ = [
     "CONFIG_PATH",
     "CONF_DIR",
     "AlgorithmConfig",
     "DataConfig",
     "EvalConfig",
+    "EvaluateConfig",
     "FSDPConfig",
     "LoggerConfig",
     "LoraConfig",
