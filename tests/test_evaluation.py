@@ -1,6 +1,7 @@
 """The evaluation (omni/evaluation.py): per-category means as computed by hand, the image cap
 honoured on whole prompts, a warning when the prompts are the training ones, the sampler's
-fields, and a real evaluation of the tiny SD3 whose held-out samples reach tensorboard."""
+fields, and a real evaluation of the tiny SD3 (with its progress bar) whose held-out samples
+reach tensorboard."""
 
 import logging
 import math
@@ -79,11 +80,12 @@ def test_the_sampler_is_the_rollouts_unless_the_eval_group_says_otherwise(tmp_pa
     assert (options.num_steps, options.sde_steps, options.guidance_scale) == (8, (0, 8), 2.5)
 
 
-def test_an_evaluation_of_the_tiny_model_logs_its_samples_at_its_step(tiny_cache, tmp_path):
+def test_an_evaluation_of_the_tiny_model_logs_its_samples_at_its_step(tiny_cache, tmp_path, capfd):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    # micro_batch_size=1: batches of 4 images, so the 6 images take 2 and the progress bar shows.
     overrides = [f"model.cache_dir={tiny_cache}", "eval=scenes", "eval.max_images=6", "eval.log_images=3",
-                 "rollout.num_steps=4", "eval.steps=4", "logger=tensorboard", "trainer.progress_bar=false"]  # fmt: skip
+                 "rollout.num_steps=4", "eval.steps=4", "logger=tensorboard", "rollout.micro_batch_size=1"]  # fmt: skip
     trainer = Trainer(validate(compose_config(overrides, tmp_path)))
     try:
         trainer.setup()
@@ -91,6 +93,8 @@ def test_an_evaluation_of_the_tiny_model_logs_its_samples_at_its_step(tiny_cache
     finally:
         trainer.cleanup()
     assert len(evaluation.prompts) == 6 and found == []
+    bar = capfd.readouterr().err
+    assert "eval step 7" in bar and "6/6" in bar
     assert evaluation.tags == ["single_object", "two_object", "counting", "colors", "position", "color_attr"]
     assert set(evaluation.scores) == {"reward", "brightness", "scene_geneval", "scene_geneval/accuracy",
                                       "scene_geneval/partial"}  # fmt: skip
