@@ -1,7 +1,8 @@
 """The training loop (one driver process): set-up, the algorithm's steps (`omni.algorithms`),
 evaluation on held-out prompts and seeds (watched by the reward-hacking sentinel,
 `omni.sentinel`, when `sentinel.enabled`: it warns, stops, or rolls back to the newest
-checkpoint saved where its rules held), logging and checkpoints.
+checkpoint saved where its rules held), logging, checkpoints and, at the end, the results
+bundle in `<run dir>/results/` (`omni.results`).
 
 Everything random is a function of (seed, step): the prompts of a step, the seeds of its
 images, the SDE window and the update's shuffling. A resumed run therefore needs only the
@@ -24,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from omni import checkpoint
+from omni import checkpoint, results
 from omni.algorithms import get_algorithm
 from omni.atomic import write_text
 from omni.config import TrainConfig
@@ -98,6 +99,9 @@ class Trainer:
         self.algorithm = get_algorithm(cfg.algorithm.name)(self.ctx)  # reads its data before any model loads
         self.resume_dir = self._resume_dir()  # checked before any model loads
         self.own_checkpoints = self.continued_checkpoints()  # what keep_last_checkpoints may delete
+        self.continued = [results.relative_name(p, self.output_dir) for p in self.own_checkpoints]
+        results.check_replaceable(self.output_dir / results.RESULTS_DIR, self.continued)  # before any model loads
+        self.last_evaluation: Optional[results.EvaluationRecord] = None  # its images go in results/report.html
         self.start_step = 0
         self.bad_steps = 0  # consecutive steps whose update had a non-finite gradient
         self.ema = LoraEMA(cfg.trainer.ema_decay) if cfg.trainer.ema_decay is not None else None
@@ -202,9 +206,10 @@ class Trainer:
             batch, scores, _ = self.ctx.sample_and_score(prompts, seeds, self.ctx.sampling_options())
         valid = self.ctx.reward.finite(scores, self.position)
         held_out = {name: values[valid] for name, values in scores.items()}
+        reward = torch.where(valid, scores["reward"], torch.full_like(scores["reward"], math.nan))
+        self.last_evaluation = results.record_evaluation(prompts, batch.images, reward, n)
         if self.sentinel is None or step is None:
             return held_out, self.eval_metrics(held_out), []
-        reward = torch.where(valid, scores["reward"], torch.full_like(scores["reward"], math.nan))
         gold = self.gold.component_scores(batch.images, prompts) if self.gold is not None else {}
         now = Evaluation(step, reward, gold, image_statistics(batch.images, batch.latents[:, -1]))
         found = self.sentinel.judge(now)
@@ -281,8 +286,8 @@ class Trainer:
             metrics_log.log(metrics, trainer.steps, force_console=True)
             if not self.respond(found, trainer.steps):
                 break
-        self.save_checkpoint(trainer.steps)
-        self.write_eval_summary(initial["reward"], final["reward"])
+        saved = self.save_checkpoint(trainer.steps)
+        self.write_results(saved, metrics, self.write_eval_summary(initial["reward"], final["reward"]))
         before, after = float(initial["reward"].mean()), float(final["reward"].mean())
         logger.info("eval reward (held-out prompts and seeds): before %.4f -> after %.4f", before, after)
         return after
@@ -335,7 +340,7 @@ class Trainer:
                 f"(trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}); the weights were not changed by them"
             )
 
-    def write_eval_summary(self, before: torch.Tensor, after: torch.Tensor) -> None:
+    def write_eval_summary(self, before: torch.Tensor, after: torch.Tensor) -> dict:
         """Per-image held-out rewards before and after training (same prompts and seeds)."""
         summary = {
             "before": before.tolist(),
@@ -344,6 +349,26 @@ class Trainer:
             "steps": self.cfg.trainer.steps,
         }
         (self.output_dir / "eval.json").write_text(json.dumps(summary))
+        return summary
+
+    def write_results(self, saved: Path, metrics: Dict[str, float], summary: dict) -> Path:
+        """`results/` (omni/results.py) for the final checkpoint `saved` and evaluation `metrics`."""
+        record = self.last_evaluation
+        return results.write_results(
+            self.output_dir / results.RESULTS_DIR,
+            config=self.config_yaml(),
+            metrics=metrics,
+            per_category=results.per_category(record.tags, record.scores),
+            history=self.ctx.logger.history,
+            images=record.images,
+            checkpoint_files=[p for p in saved.rglob("*") if p.is_file()],
+            prompt_files=results.data_files(self.cfg.data),
+            overrides=results.hydra_overrides(),
+            made_by=results.relative_name(saved, self.output_dir),
+            replaces=self.continued,
+            before_after=summary,
+            start_step=self.start_step,
+        )
 
     # ----------------------------------------------------------------- checkpoints
     def config_yaml(self) -> str:
