@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from omegaconf import OmegaConf
@@ -58,6 +58,7 @@ class MetricsLogger:
         self.backends = [backend.value for backend in cfg.logger.backends]
         self.console_every = cfg.logger.console_every
         self.wandb = self.tensorboard = self.mlflow = None
+        self.history: List[Tuple[int, Dict[str, float]]] = []  # every (step, metrics) logged, for omni/results.py
         config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
         run = cfg.logger
         if "wandb" in self.backends:
@@ -84,7 +85,9 @@ class MetricsLogger:
 
     def log(self, metrics: Dict[str, float], step: int, force_console: bool = False) -> None:
         """`metrics` to every backend; the console backend writes them through `logging` (the
-        console and Hydra's `<job>.log` in the run directory) every `console_every` steps."""
+        console and Hydra's `<job>.log` in the run directory) every `console_every` steps; all
+        of them are kept in `history`."""
+        self.history.append((step, dict(metrics)))
         if "console" in self.backends and (force_console or step % self.console_every == 0):
             shown = " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
             log.info("step %d: %s", step, shown)

@@ -1,7 +1,8 @@
 """The training loop (one driver process): set-up, the algorithm's steps (`omni.algorithms`),
 evaluation on held-out prompts and seeds (omni/evaluation.py; watched by the reward-hacking sentinel,
 `omni.sentinel`, when `sentinel.enabled`: it warns, stops, or rolls back to the newest
-checkpoint saved where its rules held), logging and checkpoints.
+checkpoint saved where its rules held), logging, checkpoints and, at the end, the results
+bundle in `<run dir>/results/` (`omni.results`).
 
 Everything random is a function of (seed, step): the prompts of a step, the seeds of its
 images, the SDE window and the update's shuffling. A resumed run therefore needs only the
@@ -24,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from omni import checkpoint
+from omni import checkpoint, results
 from omni.algorithms import get_algorithm
 from omni.atomic import write_text
 from omni.config import TrainConfig
@@ -97,6 +98,9 @@ class Trainer:
         self.algorithm = get_algorithm(cfg.algorithm.name)(self.ctx)  # reads its data before any model loads
         self.resume_dir = self._resume_dir()  # checked before any model loads
         self.own_checkpoints = self.continued_checkpoints()  # what keep_last_checkpoints may delete
+        self.continued = [results.relative_name(p, self.output_dir) for p in self.own_checkpoints]
+        results.check_replaceable(self.output_dir / results.RESULTS_DIR, self.continued)  # before any model loads
+        self.last_evaluation: Optional[results.EvaluationRecord] = None  # its images go in results/report.html
         self.start_step = 0
         self.bad_steps = 0  # consecutive steps whose update had a non-finite gradient
         self.ema = LoraEMA(cfg.trainer.ema_decay) if cfg.trainer.ema_decay is not None else None
@@ -195,12 +199,13 @@ class Trainer:
         the sentinel's metrics and findings on the same images."""
         with self.evaluated_weights():
             result, images, latents = self.evaluator.run(step, self.position)
+        prompts, n = self.evaluator.prompts, self.cfg.eval.images_per_prompt
+        self.last_evaluation = results.record_evaluation(prompts, images, result.scores["reward"], n)
         if self.ctx.logger is not None and result.images is not None:
             self.ctx.logger.log_eval_samples(result.images, result.prompts, result.scores, step)
         metrics = {**result.metrics(), **self.algorithm.evaluate()}
         if self.sentinel is None or not watch:
             return result, metrics, []
-        prompts = self.evaluator.prompts
         gold = self.gold.component_scores(images, prompts) if self.gold is not None else {}
         now = Evaluation(step, result.scores["reward"], gold, image_statistics(images, latents))
         found = self.sentinel.judge(now)
@@ -277,8 +282,8 @@ class Trainer:
             metrics_log.log(metrics, trainer.steps, force_console=True)
             if not self.respond(found, trainer.steps):
                 break
-        self.save_checkpoint(trainer.steps)
-        self.write_eval_summary(initial.valid(), final.valid())
+        saved = self.save_checkpoint(trainer.steps)
+        self.write_results(saved, metrics, self.write_eval_summary(initial.valid(), final.valid()))
         before, after = initial.mean(), final.mean()
         logger.info("eval reward (held-out prompts and seeds): before %.4f -> after %.4f", before, after)
         return after
@@ -332,7 +337,7 @@ class Trainer:
                 f"(trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}); the weights were not changed by them"
             )
 
-    def write_eval_summary(self, before: torch.Tensor, after: torch.Tensor) -> None:
+    def write_eval_summary(self, before: torch.Tensor, after: torch.Tensor) -> dict:
         """Per-image held-out rewards before and after training (same prompts and seeds)."""
         summary = {
             "before": before.tolist(),
@@ -341,6 +346,26 @@ class Trainer:
             "steps": self.cfg.trainer.steps,
         }
         (self.output_dir / "eval.json").write_text(json.dumps(summary))
+        return summary
+
+    def write_results(self, saved: Path, metrics: Dict[str, float], summary: dict) -> Path:
+        """`results/` (omni/results.py) for the final checkpoint `saved` and evaluation `metrics`."""
+        record = self.last_evaluation
+        return results.write_results(
+            self.output_dir / results.RESULTS_DIR,
+            config=self.config_yaml(),
+            metrics=metrics,
+            per_category=results.per_category(record.tags, record.scores),
+            history=self.ctx.logger.history,
+            images=record.images,
+            checkpoint_files=[p for p in saved.rglob("*") if p.is_file()],
+            prompt_files=results.data_files(self.cfg.data),
+            overrides=results.hydra_overrides(),
+            made_by=results.relative_name(saved, self.output_dir),
+            replaces=self.continued,
+            before_after=summary,
+            start_step=self.start_step,
+        )
 
     # ----------------------------------------------------------------- checkpoints
     def config_yaml(self) -> str:

@@ -13,15 +13,14 @@ from tests.conftest import compose_config
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "pretrain_micro.py"
 ASSET = Path(__file__).resolve().parents[2] / "omni" / "assets" / "micro"
-# The weights and their config (omni/conf/model/micro.yaml) ship once a run reaches the
-# issue's 15% held-out accuracy; until then these tests skip.
+# An installation without the weights (a trimmed wheel) skips the tests that load them.
 needs_weights = pytest.mark.skipif(not (ASSET / "model_index.json").is_file(), reason="no micro weights shipped")
 
 # One thread, seed 0: the first VAE steps, and the first transformer steps on a 256-render
 # pool encoded by the VAE after those 3 steps (a full run's pool is 8,192 renders; the same
 # renders come first, only the batches drawn from them differ).
 VAE_LOSSES = [0.22531758248806, 0.11675979197025299, 0.08705490082502365]
-TRANSFORMER_LOSSES = [2.355872869491577, 2.34228777885437, 2.362898588180542]
+TRANSFORMER_LOSSES = [2.2306392192840576, 2.2341933250427246, 2.2245566844940186]
 
 
 def load_script():
