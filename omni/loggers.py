@@ -1,4 +1,5 @@
-"""Metric, image and video logging to the console, wandb (offline by default) and tensorboard.
+"""Metric, image and video logging to the console, wandb (offline by default) and tensorboard;
+held-out evaluation images with their prompts and scores (`log_eval_samples`).
 
 A video model's rollout clips (B, F, 3, H, W) are logged as a grid image (one row of frames
 per clip) and as a video whose every frame is a grid of the clips' frames at that time: an mp4
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from omegaconf import OmegaConf
@@ -114,6 +115,38 @@ class MetricsLogger:
             self.wandb.log({tag: wandb.Image(pixels.permute(1, 2, 0).numpy())}, step=step)
         if self.tensorboard is not None:
             self.tensorboard.add_image(tag, pixels, step)
+
+    def log_eval_samples(
+        self, images: torch.Tensor, prompts: Sequence[str], scores: Dict[str, torch.Tensor], step: int
+    ) -> None:
+        """Held-out images (in [0, 1]; clips: their first frame) with each one's prompt and
+        scores (`scores[name][i]` for image i), at the step of the evaluation's metrics: a
+        wandb table, and in tensorboard one image each (eval/images/<i>) with a text table of
+        the captions (eval/images)."""
+        images = images.float().cpu()
+        if images.ndim == 5:
+            images = images[:, 0]
+        pixels = (images.clamp(0, 1) * 255).round().to(torch.uint8)
+        captions = [
+            f"{prompt} | " + ", ".join(f"{name}={float(values[i]):.4g}" for name, values in scores.items())
+            for i, prompt in enumerate(prompts[: len(pixels)])
+        ]
+        if self.wandb is not None:
+            import wandb
+
+            columns = ["image", "prompt", *scores]
+            rows = [
+                [wandb.Image(pixels[i].permute(1, 2, 0).numpy(), caption=captions[i]), str(prompts[i])]
+                + [float(values[i]) for values in scores.values()]
+                for i in range(len(pixels))
+            ]
+            self.wandb.log({"eval/samples": wandb.Table(columns=columns, data=rows)}, step=step)
+        if self.tensorboard is not None:
+            for i, image in enumerate(pixels):
+                self.tensorboard.add_image(f"eval/images/{i}", image, step)
+            table = "\n".join(["| image | prompt and scores |", "|---|---|"])
+            table += "".join(f"\n| {i} | {caption} |" for i, caption in enumerate(captions))
+            self.tensorboard.add_text("eval/images", table, step)
 
     def log_video(self, clips: torch.Tensor, step: int, tag: str = "rollout/videos") -> Optional[Path]:
         """Clips (B, F, 3, H, W) in [0, 1], at most 8 side by side, as one video: an mp4 file in

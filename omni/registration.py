@@ -14,10 +14,12 @@ from omni.rewards import REWARDS
 from omni.rollout import ENGINES
 
 
-def register_configs() -> None:
-    """Store the schemas in Hydra's ConfigStore (idempotent)."""
+def register_configs(schema: type = TrainConfig) -> None:
+    """Store the schemas in Hydra's ConfigStore (idempotent). `schema` types the whole run
+    (`train_schema`, the first default of omni/conf/train.yaml): `omni-evaluate` passes
+    `EvaluateConfig`, a TrainConfig with the checkpoint to evaluate."""
     cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="train_schema", node=schema)
     for name in ALGORITHMS.names():  # each algorithm's options, declared on its class
         cs.store(group="schema/algorithm", name=name, node=ALGORITHMS.get(name).Options)
     for name in ENGINES.names():  # each engine's options (its own, or those every engine takes)

@@ -267,9 +267,10 @@ def check_config(cfg, family) -> None:
     for a rollback, checkpoints saved at evaluations."""
     from omni.config.errors import ConfigError, require
     from omni.data.prompts import load_prompts
+    from omni.evaluation import prompt_source
     from omni.rewards import REWARDS, reward_options
 
-    sentinel, trainer = cfg.sentinel, cfg.trainer
+    sentinel, trainer, every = cfg.sentinel, cfg.trainer, cfg.eval.every
     if not sentinel.enabled:
         return
     for name in list(sentinel.gold):
@@ -285,7 +286,7 @@ def check_config(cfg, family) -> None:
             f"sentinel.gold.{name} scores {kind} but model.family={family.name} makes "
             f"{'clips' if family.video else 'images'}",
         )
-    spec, key = (cfg.data.eval, "data.eval") if cfg.data.eval else (cfg.data.train, "data.train")
+    spec, key = prompt_source(cfg)
     prompts = load_prompts(spec, key, cfg.data.skip_bad_rows) if sentinel.gold else []
     for name, options in sentinel.gold.items():
         for prompt in prompts:
@@ -302,8 +303,8 @@ def check_config(cfg, family) -> None:
     )
     if sentinel.action == SentinelAction.rollback:
         require(
-            trainer.eval_every > 0 and trainer.save_every > 0 and trainer.save_every % trainer.eval_every == 0,
-            f"sentinel.action=rollback with trainer.eval_every={trainer.eval_every} and trainer.save_every="
+            every > 0 and trainer.save_every > 0 and trainer.save_every % every == 0,
+            f"sentinel.action=rollback with eval.every={every} and trainer.save_every="
             f"{trainer.save_every}: a rollback reloads a checkpoint saved at an evaluation where the rules held, so "
-            "set both > 0 with trainer.save_every a multiple of trainer.eval_every",
+            "set both > 0 with trainer.save_every a multiple of eval.every",
         )

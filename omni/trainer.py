@@ -1,5 +1,5 @@
 """The training loop (one driver process): set-up, the algorithm's steps (`omni.algorithms`),
-evaluation on held-out prompts and seeds (watched by the reward-hacking sentinel,
+evaluation on held-out prompts and seeds (omni/evaluation.py; watched by the reward-hacking sentinel,
 `omni.sentinel`, when `sentinel.enabled`: it warns, stops, or rolls back to the newest
 checkpoint saved where its rules held), logging, checkpoints and, at the end, the results
 bundle in `<run dir>/results/` (`omni.results`).
@@ -30,9 +30,10 @@ from omni.algorithms import get_algorithm
 from omni.atomic import write_text
 from omni.config import TrainConfig
 from omni.config.errors import ConfigError, require
-from omni.context import StepContext, means, step_seeds
+from omni.context import StepContext
 from omni.data.prompts import load_prompts
 from omni.ema import LoraEMA
+from omni.evaluation import EvalResult, Evaluator, load_eval_prompts
 from omni.loggers import MetricsLogger
 from omni.models import get_family
 from omni.rewards import WeightedReward
@@ -91,11 +92,9 @@ class Trainer:
         self.checkpoint_dir = self.output_dir / "checkpoints"
         self.family = get_family(cfg.model.family)
         train_prompts = load_prompts(cfg.data.train, "data.train", cfg.data.skip_bad_rows)
-        eval_prompts = (
-            load_prompts(cfg.data.eval, "data.eval", cfg.data.skip_bad_rows) if cfg.data.eval else train_prompts
-        )
         reward = WeightedReward(cfg.reward.components, cfg.reward.batch_size, cfg.reward.nonfinite)
-        self.ctx = StepContext(cfg, self.family, train_prompts, eval_prompts, reward)
+        self.ctx = StepContext(cfg, self.family, train_prompts, load_eval_prompts(cfg), reward)
+        self.evaluator = Evaluator(cfg, self.ctx)
         self.algorithm = get_algorithm(cfg.algorithm.name)(self.ctx)  # reads its data before any model loads
         self.resume_dir = self._resume_dir()  # checked before any model loads
         self.own_checkpoints = self.continued_checkpoints()  # what keep_last_checkpoints may delete
@@ -120,6 +119,7 @@ class Trainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         write_text(self.output_dir / CONFIG_FILE, self.config_yaml())
         self.ctx.reward.setup()
+        self.evaluator.setup()
         if self.gold is not None:
             self.gold.setup()
         keep_reference = self.algorithm.uses_reference(self.cfg)
@@ -174,10 +174,6 @@ class Trainer:
         return f"give this run its own directory (hydra.run.dir=...) or move {self.checkpoint_dir} away"
 
     # ----------------------------------------------------------------- evaluation
-    def eval_metrics(self, scores: Dict[str, torch.Tensor]) -> Dict[str, float]:
-        """Mean held-out rewards, plus what the algorithm measures on held-out data."""
-        return {**means(scores, "eval/"), **self.algorithm.evaluate()}
-
     @contextlib.contextmanager
     def evaluated_weights(self):
         """The LoRA that evaluations and exports use: the EMA when `trainer.ema_decay` is set
@@ -193,27 +189,27 @@ class Trainer:
             self.worker.load_adapter(trained)
 
     def evaluate(self) -> Dict[str, torch.Tensor]:
-        """Rewards of ODE samples on the held-out prompts and seeds, one per image."""
-        return self.evaluate_and_watch()[0]
+        """The finite held-out scores of each reward, one per image."""
+        result = self.evaluate_and_watch(self.start_step, watch=False)[0]
+        return {name: result.valid(name) for name in result.scores}
 
-    def evaluate_and_watch(self, step: Optional[int] = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, float], list]:
-        """The held-out rewards (`evaluate`), the evaluation's metrics and, with the sentinel
-        and a `step`, its metrics and findings (`omni.sentinel`) on the same images."""
-        n = self.cfg.trainer.eval_images_per_prompt
-        prompts = [p for p in self.ctx.eval_prompts for _ in range(n)]
-        seeds = step_seeds(self.cfg.trainer.eval_seed, 0, len(prompts))
+    def evaluate_and_watch(self, step: int, watch: bool = True) -> Tuple[EvalResult, Dict[str, float], list]:
+        """The evaluation at `step` (omni/evaluation.py; its images logged at `step`), its
+        metrics with what the algorithm measures on held-out data and, with the sentinel,
+        the sentinel's metrics and findings on the same images."""
         with self.evaluated_weights():
-            batch, scores, _ = self.ctx.sample_and_score(prompts, seeds, self.ctx.sampling_options())
-        valid = self.ctx.reward.finite(scores, self.position)
-        held_out = {name: values[valid] for name, values in scores.items()}
-        reward = torch.where(valid, scores["reward"], torch.full_like(scores["reward"], math.nan))
-        self.last_evaluation = results.record_evaluation(prompts, batch.images, reward, n)
-        if self.sentinel is None or step is None:
-            return held_out, self.eval_metrics(held_out), []
-        gold = self.gold.component_scores(batch.images, prompts) if self.gold is not None else {}
-        now = Evaluation(step, reward, gold, image_statistics(batch.images, batch.latents[:, -1]))
+            result, images, latents = self.evaluator.run(step, self.position)
+        prompts, n = self.evaluator.prompts, self.cfg.eval.images_per_prompt
+        self.last_evaluation = results.record_evaluation(prompts, images, result.scores["reward"], n)
+        if self.ctx.logger is not None and result.images is not None:
+            self.ctx.logger.log_eval_samples(result.images, result.prompts, result.scores, step)
+        metrics = {**result.metrics(), **self.algorithm.evaluate()}
+        if self.sentinel is None or not watch:
+            return result, metrics, []
+        gold = self.gold.component_scores(images, prompts) if self.gold is not None else {}
+        now = Evaluation(step, result.scores["reward"], gold, image_statistics(images, latents))
         found = self.sentinel.judge(now)
-        return held_out, {**self.eval_metrics(held_out), **self.sentinel.metrics(now, found)}, found
+        return result, {**metrics, **self.sentinel.metrics(now, found)}, found
 
     def respond(self, found: List[Finding], step: int) -> bool:
         """The sentinel's action on what it found at `step`'s evaluation: warn (False), stop
@@ -270,7 +266,7 @@ class Trainer:
         if trainer.eval_only:
             for finding in found:
                 logger.warning(finding.message)
-            reward = float(initial["reward"].mean())
+            reward = initial.mean()
             logger.info(
                 "eval-only run (trainer.eval_only=true, no training): held-out reward %.4f at step %d",
                 reward,
@@ -287,8 +283,8 @@ class Trainer:
             if not self.respond(found, trainer.steps):
                 break
         saved = self.save_checkpoint(trainer.steps)
-        self.write_results(saved, metrics, self.write_eval_summary(initial["reward"], final["reward"]))
-        before, after = float(initial["reward"].mean()), float(final["reward"].mean())
+        self.write_results(saved, metrics, self.write_eval_summary(initial.valid(), final.valid()))
+        before, after = initial.mean(), final.mean()
         logger.info("eval reward (held-out prompts and seeds): before %.4f -> after %.4f", before, after)
         return after
 
@@ -316,7 +312,8 @@ class Trainer:
                 self.count_bad_step(metrics, step + 1)
                 bar.set_postfix(progress_fields(metrics), refresh=False)
                 done, found = step + 1, []
-                if trainer.eval_every and done % trainer.eval_every == 0 and done < trainer.steps:
+                every = self.cfg.eval.every
+                if every and done % every == 0 and done < trainer.steps:
                     _, evaluation, found = self.evaluate_and_watch(done)
                     metrics.update(evaluation)
                 metrics_log.log(metrics, done)
@@ -439,6 +436,7 @@ class Trainer:
         if self.worker is not None:
             self.worker.shutdown()
         self.ctx.reward.teardown()
+        self.evaluator.close()
         if self.gold is not None:
             self.gold.teardown()
 

@@ -29,8 +29,10 @@ from omni.algorithms import get_algorithm
 from omni.checkpoint import CheckpointMismatch, DamagedCheckpoint, check_checkpoint, check_lora_file
 from omni.config import TrainConfig
 from omni.config.errors import ConfigError, require
+from omni.config.eval import moved_key_message
 from omni.config.model import DType
 from omni.data.prompts import load_prompts
+from omni.evaluation import prompt_source
 from omni.known_bad import check_known_bad
 from omni.memory import check_memory, resolve_fsdp_version
 from omni.models import get_family
@@ -298,26 +300,56 @@ def check_reward_kinds(reward, family: ModelFamily) -> None:
             )
 
 
-def check_prompts(data, reward) -> None:
+def check_prompts(cfg: TrainConfig) -> None:
     """Each prompt file loads, and each prompt has what every reward component needs of it
-    (the OCR target text, GenEval's objects): the first that lacks it is named, with its line."""
-    for key in ("train", "eval"):
-        spec = getattr(data, key)
+    (the OCR target text, GenEval's objects), and each evaluation prompt what `eval.rewards`
+    need: the first that lacks it is named, with its line."""
+    data, components = cfg.data, cfg.reward.components
+    extra = {name: reward_options(name, {}, "eval.rewards") for name in cfg.eval.rewards if name not in components}
+    sets = [(data.train, "data.train", components), (data.eval, "data.eval", components)]
+    sets.append((cfg.eval.prompts, "eval.prompts", components))
+    spec, key = prompt_source(cfg)
+    sets.append((spec, key, extra))
+    for spec, key, rewards in sets:
         if spec is None:
             continue
         try:
-            prompts = load_prompts(spec, f"data.{key}", data.skip_bad_rows)
+            prompts = load_prompts(spec, key, data.skip_bad_rows)
         except (OSError, ValueError) as error:
             raise ConfigError(str(error)) from None
-        for name, options in reward.components.items():
-            component = REWARDS.get(name)
+        for name, options in rewards.items():
+            component, where = REWARDS.get(name), "eval.rewards" if rewards is extra else "reward.components"
             for prompt in prompts:
                 problem = component.prompt_problem(options, prompt)
                 require(
                     problem is None,
-                    f"data.{key}={spec}: {prompt.origin}: reward.components.{name} needs {problem}; "
+                    f"{key}={spec}: {prompt.origin}: {where}.{name} needs {problem}; "
                     f"the prompt is {str(prompt)[:100]!r}",
                 )
+
+
+def check_eval(cfg: TrainConfig, family: ModelFamily) -> None:
+    """The evaluation's rewards exist, take the family's kind of output and their default
+    options, and its resolution is one the model takes (its prompts: `check_prompts`)."""
+    for name in cfg.eval.rewards:
+        require(name in REWARDS.names(), f"eval.rewards: '{name}' is no reward; available: {REWARDS.names()}")
+        try:
+            REWARDS.get(name).check_options(reward_options(name, {}, "eval.rewards"), f"eval.rewards.{name}")
+        except (KeyError, ValueError) as error:
+            raise ConfigError(f"{error.args[0]} (eval.rewards scores with each reward's default options)") from None
+        require(
+            REWARDS.get(name).video == family.video,
+            f"eval.rewards: '{name}' scores {'clips' if REWARDS.get(name).video else 'images'} but "
+            f"model.family={family.name} makes {'clips' if family.video else 'images'}",
+        )
+    model = cfg.model
+    multiple = (
+        family.tiny_resolution_multiple() if model.tiny_seed is not None else family.resolution_multiple(model.path)
+    )
+    require(
+        cfg.eval.resolution % multiple == 0,
+        f"eval.resolution={cfg.eval.resolution}: this model takes multiples of {multiple} (VAE factor x patch size)",
+    )
 
 
 def to_schema(cfg: DictConfig | TrainConfig) -> TrainConfig:
@@ -332,6 +364,8 @@ def to_schema(cfg: DictConfig | TrainConfig) -> TrainConfig:
         "; ".join(f"{key} is mandatory and not set: {field_hint(cfg, key) or f'pass {key}=...'}" for key in missing),
     )
     unknown = unknown_keys(cfg)
+    moved = [moved_key_message(key) for key, _, _ in unknown if moved_key_message(key)]
+    require(not moved, "; ".join(moved))
     require(
         not unknown,
         "; ".join(
@@ -377,9 +411,9 @@ def unknown_keys(node: DictConfig, prefix: str = "") -> list:
 
 def resolve(cfg: TrainConfig, family: ModelFamily) -> None:
     """Phase one: fill in what the groups left null. The model family's native values
-    (resolution, guidance, frames, fps), its LoRA targets, the modules its output never
-    depends on (joining `model.lora.exclude_modules`), float32 for full fine-tuning, and
-    `model.fsdp.version=null`'s choice (omni/memory.py)."""
+    (resolution, guidance, frames, fps; the evaluation's sampler takes the rollout's), its
+    LoRA targets, the modules its output never depends on (joining `model.lora.exclude_modules`),
+    float32 for full fine-tuning, and `model.fsdp.version=null`'s choice (omni/memory.py)."""
     rollout, model = cfg.rollout, cfg.model
     if rollout.resolution is None:
         rollout.resolution = model.resolution
@@ -389,6 +423,12 @@ def resolve(cfg: TrainConfig, family: ModelFamily) -> None:
         rollout.num_frames = model.num_frames
     if rollout.fps is None:
         rollout.fps = model.fps
+    evaluation = cfg.eval  # the evaluation's sampler: the rollout's where it says nothing
+    for key, value in (("steps", rollout.num_steps), ("guidance_scale", rollout.guidance_scale)):
+        if getattr(evaluation, key) is None:
+            setattr(evaluation, key, value)
+    if evaluation.resolution is None:
+        evaluation.resolution = rollout.resolution
     lora = model.lora
     if lora is not None:
         if lora.target_modules is None:
@@ -414,7 +454,8 @@ def check(cfg: TrainConfig, family: ModelFamily) -> None:
     check_logger(cfg.logger, family)
     check_rewards(cfg.reward)
     check_reward_kinds(cfg.reward, family)
-    check_prompts(cfg.data, cfg.reward)
+    check_eval(cfg, family)
+    check_prompts(cfg)
     check_sentinel(cfg, family)
 
 

@@ -71,7 +71,7 @@ def start_run(variant: str, seed: int, args) -> dict:
         f"hydra.run.dir={run_dir}",
         f"seed={seed}",
         f"trainer.steps={args.steps}",
-        f"trainer.eval_every={args.eval_every}",
+        f"eval.every={args.eval_every}",
         f"logger.console_every={args.eval_every}",
         "trainer.progress_bar=false",
         *VARIANTS[variant],

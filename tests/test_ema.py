@@ -41,7 +41,7 @@ def test_run_evaluates_and_exports_the_average_and_trains_on(tiny_cache, tmp_pat
         "algorithm.group_size=2",
         "rollout.num_steps=4",
         f"data.eval={prompts}",
-        "trainer.eval_images_per_prompt=2",
+        "eval.images_per_prompt=2",
         "trainer.progress_bar=false",
     ]
     trainer = Trainer(validate(compose_config(overrides, tmp_path)))

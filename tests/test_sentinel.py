@@ -45,7 +45,7 @@ FAST = [
     "trainer.lr=3e-3",
     "trainer.batch_size=8",
     "algorithm.group_size=4",
-    "trainer.eval_images_per_prompt=2",
+    "eval.images_per_prompt=2",
     "trainer.progress_bar=false",
     "sentinel.enabled=true",
     "+sentinel.gold.color={}",
@@ -140,8 +140,8 @@ def test_sentinel_takes_the_first_evaluation_as_base_and_records_where_rules_hel
         (["sentinel.enabled=true", "+sentinel.gold.colour={}"], "sentinel.gold.colour: no such reward"),
         (["sentinel.enabled=true", "+sentinel.gold.color={weigth:1}"], "sentinel.gold.color: Key 'weigth'"),
         (
-            ["sentinel.enabled=true", "+sentinel.gold.color={}", "sentinel.action=rollback", "trainer.eval_every=2"],
-            "sentinel.action=rollback with trainer.eval_every=2 and trainer.save_every=0",
+            ["sentinel.enabled=true", "+sentinel.gold.color={}", "sentinel.action=rollback", "eval.every=2"],
+            "sentinel.action=rollback with eval.every=2 and trainer.save_every=0",
         ),
         (["sentinel.stat_shift_sd=0"], "sentinel.stat_shift_sd=0"),
         (["sentinel.lr_factor=2"], "sentinel.lr_factor=2"),
@@ -180,7 +180,7 @@ def logged(caplog, key):
 
 def test_hackable_run_is_stopped_naming_the_rule_the_step_and_the_figures(tiny_cache, tmp_path, caplog):
     cfg = config(
-        tiny_cache, tmp_path, DARK, "trainer.steps=6", "trainer.eval_every=2", "sentinel.gold_drop_se=2.5",
+        tiny_cache, tmp_path, DARK, "trainer.steps=6", "eval.every=2", "sentinel.gold_drop_se=2.5",
         "sentinel.action=stop",
     )  # fmt: skip
     with caplog.at_level(logging.INFO), pytest.raises(SentinelStopped) as stopped:
@@ -197,7 +197,7 @@ def test_hackable_run_is_stopped_naming_the_rule_the_step_and_the_figures(tiny_c
 
 
 def test_healthy_run_trains_to_the_end_and_logs_the_sentinel(tiny_cache, tmp_path, caplog):
-    cfg = config(tiny_cache, tmp_path, LIGHT, "trainer.steps=6", "trainer.eval_every=2", "sentinel.action=stop")
+    cfg = config(tiny_cache, tmp_path, LIGHT, "trainer.steps=6", "eval.every=2", "sentinel.action=stop")
     with caplog.at_level(logging.INFO):
         run(cfg)
     assert not [r for r in caplog.records if "sentinel rule" in r.getMessage()]
@@ -230,7 +230,7 @@ def test_rollback_reloads_the_last_checkpoint_where_rules_held_with_a_lower_lr(t
     the learning rate scaled by 0.01, so the images hardly move from step 2's, and the rule
     holds at steps 4 and 6."""
     cfg = config(
-        tiny_cache, tmp_path, DARK, "trainer.steps=6", "trainer.eval_every=2", "trainer.save_every=2",
+        tiny_cache, tmp_path, DARK, "trainer.steps=6", "eval.every=2", "trainer.save_every=2",
         "sentinel.gold_drop_se=4", "sentinel.action=rollback", "sentinel.lr_factor=0.01", "logger.console_every=1",
     )  # fmt: skip
     with caplog.at_level(logging.INFO):

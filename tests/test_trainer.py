@@ -18,7 +18,7 @@ from tests.conftest import compose_config
 SMALL = [
     "trainer.batch_size=8",
     "algorithm.group_size=4",
-    "trainer.eval_images_per_prompt=1",
+    "eval.images_per_prompt=1",
     "trainer.progress_bar=false",
 ]
 

@@ -335,7 +335,7 @@ class OfflineDPO(Algorithm):
         )
         for chunk, pairs in enumerate(batches):
             if pairs is not None:  # the first chunk draws the noise a single batch did
-                seed = seeding.derive_seed(chunk, self.cfg.trainer.eval_seed, seeding.EVAL_CHUNK)
+                seed = seeding.derive_seed(chunk, self.cfg.eval.seed, seeding.EVAL_CHUNK)
                 parts.append((len(pairs), self.ctx.worker.evaluate_batch(evaluate, pairs, seed)))
         if not parts:  # every held-out pair was unreadable (and skipped)
             return {}

@@ -165,7 +165,7 @@ def ours_overrides(model_dir: Path, data_dir: Path, run_dir: Path, steps: int) -
         f"trainer.batch_size={images}", f"trainer.micro_batch_size={images * s['denoising_steps'] // s['minibatches']}",
         f"algorithm.group_size={s['images_per_prompt']}", f"algorithm.num_minibatches={s['minibatches']}",
         f"algorithm.clip_range={s['clip_range']}", "algorithm.adv_norm=global", "algorithm.kl_coef=0",
-        f"trainer.lr={s['lr']}", f"trainer.steps={steps}", "trainer.eval_every=0", "trainer.eval_images_per_prompt=1",
+        f"trainer.lr={s['lr']}", f"trainer.steps={steps}", "eval.every=0", "eval.images_per_prompt=1",
         "trainer.progress_bar=false", "logger.console_every=1", f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
 

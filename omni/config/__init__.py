@@ -11,11 +11,13 @@ metadata: what the error of a missing value tells the user to pass.
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 from omegaconf import MISSING
 
 from omni.config.algorithm import AlgorithmConfig
 from omni.config.data import DataConfig
+from omni.config.eval import EvalConfig
 from omni.config.logger import LoggerConfig
 from omni.config.model import FSDPConfig, LoraConfig, ModelConfig
 from omni.config.reward import RewardConfig
@@ -38,8 +40,18 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     sentinel: SentinelConfig = field(default_factory=SentinelConfig)
+
+
+@dataclass
+class EvaluateConfig(TrainConfig):
+    """`omni-evaluate`'s config (omni/conf/evaluate.yaml): a training config, and the checkpoint
+    to evaluate."""
+
+    # A run's saved checkpoint directory (<run dir>/checkpoints/step_NNNNNN); null: the base model.
+    checkpoint: Optional[str] = None
 
 
 __all__ = [
@@ -47,6 +59,8 @@ __all__ = [
     "CONF_DIR",
     "AlgorithmConfig",
     "DataConfig",
+    "EvalConfig",
+    "EvaluateConfig",
     "FSDPConfig",
     "LoggerConfig",
     "LoraConfig",

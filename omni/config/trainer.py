@@ -1,4 +1,5 @@
-"""Schema of the `trainer` group: steps, batch sizes, optimiser, workers, cadences."""
+"""Schema of the `trainer` group: steps, batch sizes, optimiser, workers, cadences (the
+evaluation's is the `eval` group's, omni/config/eval.py)."""
 
 from dataclasses import dataclass
 from enum import Enum
@@ -44,10 +45,6 @@ class TrainerConfig:
     ray_address: Optional[str] = None
     # How long to wait for Ray to place the workers before failing (others hold the resources).
     placement_timeout_s: float = 120.0
-    # Evaluate on held-out prompts and seeds before training, every N steps and at the end.
-    eval_every: int = 0
-    eval_images_per_prompt: int = 4
-    eval_seed: int = 12345
     # Checkpoint every N steps (0: only at the end).
     save_every: int = 0
     # Keep only the newest N checkpoints this run (and the run it continues, in its own
@@ -62,7 +59,8 @@ class TrainerConfig:
     # Exponential moving average of the LoRA, updated after every step (omni/ema.py); when set,
     # evaluations and exported checkpoints use the average. None: off.
     ema_decay: Optional[float] = None
-    # Only evaluate (the initial or resumed policy) and exit; trainer.steps is not used.
+    # Only evaluate (the initial or resumed policy; the `eval` group says how) and exit;
+    # trainer.steps is not used.
     eval_only: bool = False
     progress_bar: bool = True
 
@@ -92,10 +90,6 @@ class TrainerConfig:
         require(self.batch_size > 0, f"trainer.batch_size={self.batch_size} must be positive")
         require(self.micro_batch_size > 0, f"trainer.micro_batch_size={self.micro_batch_size} must be positive")
         require(self.max_grad_norm >= 0, f"trainer.max_grad_norm={self.max_grad_norm} must be >= 0")
-        require(
-            self.eval_images_per_prompt > 0,
-            f"trainer.eval_images_per_prompt={self.eval_images_per_prompt} must be positive",
-        )
         require(self.n_workers >= 1, f"trainer.n_workers={self.n_workers} must be >= 1")
         require(
             self.batch_size % self.n_workers == 0,

@@ -118,7 +118,7 @@ def lora_statistics(tensors) -> dict:
 
 def test_two_step_lora_checksum_is_pinned(tiny_cache, tmp_path):
     overrides = [f"model.cache_dir={tiny_cache}", "trainer.steps=2", "trainer.batch_size=8", "algorithm.group_size=4",
-                 "trainer.eval_images_per_prompt=1", "trainer.progress_bar=false"]  # fmt: skip
+                 "eval.images_per_prompt=1", "trainer.progress_bar=false"]  # fmt: skip
     trainer = Trainer(validate(compose_config(overrides, tmp_path)))
     trainer.setup()
     try:

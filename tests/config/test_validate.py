@@ -46,7 +46,7 @@ BAD = [
     (["trainer.lr=0"], "trainer.lr"),
     (["trainer.batch_size=0"], "trainer.batch_size"),
     (["trainer.max_grad_norm=-1"], "trainer.max_grad_norm"),
-    (["trainer.eval_images_per_prompt=0"], "trainer.eval_images_per_prompt"),
+    (["eval.images_per_prompt=0"], "eval.images_per_prompt"),
     (["algorithm.num_minibatches=0"], "algorithm.num_minibatches"),
     (["algorithm.num_minibatches=11"], "algorithm.num_minibatches"),
     (["algorithm=flow_grpo_fast", "algorithm.num_minibatches=3"], "algorithm.num_minibatches"),

@@ -165,7 +165,7 @@ def test_a_component_of_each_kind_is_new_files_only(tmp_path, tiny_cache):
         "trainer.steps=1",
         "trainer.batch_size=4",
         "algorithm.group_size=2",
-        "trainer.eval_every=0",
+        "eval.every=0",
         "trainer.progress_bar=false",
     ]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)

@@ -13,7 +13,7 @@ import pytest
 from omni import checkpoint
 from tests.recipes.test_train import REPO, train
 
-SMALL = ["trainer.batch_size=8", "algorithm.group_size=4", "rollout.num_steps=4", "trainer.eval_images_per_prompt=1"]
+SMALL = ["trainer.batch_size=8", "algorithm.group_size=4", "rollout.num_steps=4", "eval.images_per_prompt=1"]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ SHORT = [
     "trainer.steps=1",
     "trainer.batch_size=8",
     "algorithm.group_size=4",
-    "trainer.eval_images_per_prompt=1",
+    "eval.images_per_prompt=1",
     "rollout.num_steps=4",
 ]
 

@@ -175,7 +175,7 @@ def test_full_finetuning_resumes_exactly(tmp_path, tiny_cache):
     """model.lora=null through the CLI, with the KL to the reference on: 2 steps, then
     resumed to 4, give the transformer that 4 straight steps give, bit for bit."""
     small = ["model.lora=null", "algorithm.kl_coef=0.1", "trainer.batch_size=8", "algorithm.group_size=4",
-             "rollout.num_steps=4", "trainer.eval_images_per_prompt=1"]  # fmt: skip
+             "rollout.num_steps=4", "eval.images_per_prompt=1"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     train(tmp_path / "straight", tiny_cache, *small, "trainer.steps=4", env=env)
     train(tmp_path / "resumed", tiny_cache, *small, "trainer.steps=2", env=env)

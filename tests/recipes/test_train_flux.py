@@ -12,7 +12,7 @@ SHORT = [
     "trainer.steps=2",
     "trainer.batch_size=8",
     "algorithm.group_size=4",
-    "trainer.eval_images_per_prompt=1",
+    "eval.images_per_prompt=1",
 ]
 
 

@@ -9,7 +9,7 @@ from tests.recipes.test_train import final_lora, train
 
 SHORT = [
     "model=qwen_image_tiny", "trainer.steps=2", "trainer.batch_size=8", "algorithm.group_size=4",
-    "rollout.num_steps=4", "trainer.eval_images_per_prompt=1",
+    "rollout.num_steps=4", "eval.images_per_prompt=1",
 ]  # fmt: skip
 
 

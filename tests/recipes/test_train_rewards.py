@@ -16,7 +16,7 @@ import pytest
 from omni.distributed import free_port
 from tests.recipes.test_train import REPO, train
 
-SHORT_RUN = ("trainer.steps=1", "trainer.batch_size=8", "trainer.eval_images_per_prompt=1")
+SHORT_RUN = ("trainer.steps=1", "trainer.batch_size=8", "eval.images_per_prompt=1")
 
 
 @contextlib.contextmanager

@@ -237,7 +237,7 @@ def test_server_failing_mid_run_stops_it_naming_reward_url_and_step(tiny_cache, 
             "trainer.steps=1",
             "trainer.batch_size=8",
             "algorithm.group_size=4",
-            "trainer.eval_images_per_prompt=1",
+            "eval.images_per_prompt=1",
             "trainer.progress_bar=false",
             f"model.cache_dir={tiny_cache}",
         ]

@@ -29,7 +29,7 @@ SMALL_RUN = [
     OWN_COPY,
     "trainer.batch_size=4",
     "algorithm.group_size=2",
-    "trainer.eval_images_per_prompt=1",
+    "eval.images_per_prompt=1",
     "trainer.progress_bar=false",
     "logger.console_every=1",
     # one step then moves the tiny model's policy well past the gate's tolerances

@@ -400,7 +400,7 @@ def test_killed_engine_is_named_with_the_step_and_the_last_checkpoint(tiny_cache
         "trainer.save_every=1",
         "trainer.batch_size=4",
         "algorithm.group_size=2",
-        "trainer.eval_images_per_prompt=1",
+        "eval.images_per_prompt=1",
         "trainer.progress_bar=false",
         f"model.cache_dir={tiny_cache}",
     ]

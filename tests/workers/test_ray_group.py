@@ -34,7 +34,7 @@ def _alone():
 
 
 SMALL = [
-    "trainer.batch_size=8", "algorithm.group_size=4", "trainer.micro_batch_size=4", "trainer.eval_images_per_prompt=1",
+    "trainer.batch_size=8", "algorithm.group_size=4", "trainer.micro_batch_size=4", "eval.images_per_prompt=1",
     "rollout.num_steps=4",
 ]  # fmt: skip
 
