@@ -5,7 +5,8 @@ The checkpoint (`checkpoint=<run dir>/checkpoints/step_NNNNNN`) is loaded as a r
 loads it (its EMA when it has one), so the model's settings must match the training run's
 (a mismatch is named before any model loads). The per-category table and the overall
 figures are printed and written, with every image's prompt, seed and scores, to eval.json
-in the run directory.
+in the run directory, beside a results/ bundle (omni/results.py) whose metrics.json repeats,
+for the same checkpoint and eval preset, the training run's own bundle.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def evaluate(cfg: DictConfig) -> float:
             trainer.position = "the evaluation"
             result, metrics, _ = trainer.evaluate_and_watch(trainer.start_step, watch=False)
             trainer.ctx.logger.log(metrics, trainer.start_step, force_console=True)
+            checkpoint = Path(cfg.checkpoint) if cfg.checkpoint is not None else None
+            trainer.write_results(checkpoint, metrics, None)
         finally:
             trainer.cleanup()
     report(result, cfg.checkpoint, Path(cfg.output_dir))

@@ -239,12 +239,17 @@ def record_evaluation(prompts: Sequence[str], images, scores, per_prompt: int, l
 
 
 # ---------------------------------------------------------------- what a run used
-def data_files(data) -> Dict[str, Path]:
-    """The files of a `data` config's prompt sets ({"train", "eval"}), and its preference
-    pairs ("pairs") when they are one file (a folder or glob of shards is not hashed)."""
+def data_files(cfg) -> Dict[str, Path]:
+    """The files of a run's prompt sets ({"train", "eval"}: the evaluation's source, eval.prompts
+    or data.eval, when it is not the training set), and its preference pairs ("pairs") when
+    they are one file (a folder or glob of shards is not hashed)."""
+    from omni.evaluation import prompt_source
+
+    data = cfg.data
     files = {"train": resolve_prompt_file(data.train, "data.train")}
-    if data.eval:
-        files["eval"] = resolve_prompt_file(data.eval, "data.eval")
+    spec, key = prompt_source(cfg)
+    if key != "data.train":
+        files["eval"] = resolve_prompt_file(spec, key)
     if data.pairs and Path(data.pairs).expanduser().is_file():
         files["pairs"] = Path(data.pairs).expanduser()
     return files

@@ -348,8 +348,9 @@ class Trainer:
         (self.output_dir / "eval.json").write_text(json.dumps(summary))
         return summary
 
-    def write_results(self, saved: Path, metrics: Dict[str, float], summary: dict) -> Path:
-        """`results/` (omni/results.py) for the final checkpoint `saved` and evaluation `metrics`."""
+    def write_results(self, saved: Optional[Path], metrics: Dict[str, float], summary: Optional[dict]) -> Path:
+        """`results/` (omni/results.py) for the checkpoint `saved` (None: the base model) and
+        evaluation `metrics`."""
         record = self.last_evaluation
         return results.write_results(
             self.output_dir / results.RESULTS_DIR,
@@ -358,10 +359,10 @@ class Trainer:
             per_category=results.per_category(record.tags, record.scores),
             history=self.ctx.logger.history,
             images=record.images,
-            checkpoint_files=[p for p in saved.rglob("*") if p.is_file()],
-            prompt_files=results.data_files(self.cfg.data),
+            checkpoint_files=[p for p in saved.rglob("*") if p.is_file()] if saved is not None else [],
+            prompt_files=results.data_files(self.cfg),
             overrides=results.hydra_overrides(),
-            made_by=results.relative_name(saved, self.output_dir),
+            made_by=results.relative_name(saved, self.output_dir) if saved is not None else "the base model",
             replaces=self.continued,
             before_after=summary,
             start_step=self.start_step,

@@ -1,7 +1,9 @@
 """The real `recipes/evaluate.py` CLI on the tiny SD3 with eval=scenes: the base model and a
-checkpoint of a 1-step training run are evaluated per category into eval.json, and a missing
+checkpoint of a 1-step training run are evaluated per category into eval.json and a results/
+bundle whose metrics repeat the training run's final evaluation exactly; a missing
 checkpoint is named before any model loads."""
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -38,10 +40,20 @@ def test_the_base_model_and_a_trained_checkpoint_are_evaluated_per_category(tmp_
     assert base["checkpoint"] is None
     run = tmp_path / "train"
     train(run, tiny_cache, "trainer.steps=1", "trainer.batch_size=8", "algorithm.group_size=4",
-          "eval.images_per_prompt=1", "eval.max_images=4")  # fmt: skip
+          "eval=scenes", "eval.max_images=12")  # fmt: skip
     checkpoint = run / "checkpoints" / "step_000001"
     trained = evaluated(tmp_path / "trained", tiny_cache, f"checkpoint={checkpoint}")
     assert trained["checkpoint"] == str(checkpoint) and trained["step"] == 1
+    # the training run's final evaluation, reproduced exactly from its checkpoint, in a bundle
+    # that names the checkpoint's files by their hashes
+    final = json.loads((run / "results" / "metrics.json").read_text())["final"]
+    again = json.loads((tmp_path / "trained" / "results" / "metrics.json").read_text())["final"]
+    held_out = {k: v for k, v in final.items() if k.startswith("eval/")}
+    assert "eval/scene_geneval/colors" in held_out
+    assert held_out == {k: v for k, v in again.items() if k.startswith("eval/")}
+    hashes = json.loads((tmp_path / "trained" / "results" / "manifest.json").read_text())["checkpoint"]
+    files = [p for p in checkpoint.rglob("*") if p.is_file()]
+    assert sorted(hashes.values()) == sorted(hashlib.sha256(p.read_bytes()).hexdigest() for p in files)
     # the same prompts and seeds; the trained LoRA changed the images, so their scores
     assert [i["seed"] for i in trained["per_image"]] == [i["seed"] for i in base["per_image"]]
     assert [i["brightness"] for i in trained["per_image"]] != [i["brightness"] for i in base["per_image"]]
