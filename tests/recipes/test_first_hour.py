@@ -41,7 +41,10 @@ def test_metrics_reach_hydras_log_file_and_the_console(default_run):
 
 def test_progress_bar_shows_reward_kl_and_clipped_fraction(default_run):
     _, result = default_run
-    last = result.stderr.replace("\r", "\n").strip().splitlines()[-1]  # tqdm writes to stderr
+    # tqdm writes to stderr; the final evaluation's bar comes after the training bar's last state
+    bars = result.stderr.replace("\r", "\n").strip().splitlines()
+    last = [line for line in bars if line.startswith("flow_grpo:")][-1]
+    assert any(line.startswith("eval step ") for line in bars)
     assert re.search(r"reward=0\.\d+, kl=[-\d.e]+, clipped=[\d.e-]+", last), last
     assert "loss=" not in result.stderr
 
