@@ -81,16 +81,16 @@ def plan(eval_cfg, prompts: Sequence[Prompt]) -> Tuple[List[Prompt], List[int]]:
 
 
 def sampling_options(cfg) -> SamplingOptions:
-    """The run's sampling with the evaluation's sampler fields (null: the rollout's); with
-    `eval.sde`, every noisy step is the rollout's SDE step, else the deterministic ODE."""
-    options, e = run_sampling_options(cfg), cfg.eval
-    steps = e.steps if e.steps is not None else options.num_steps
-    sde = noisy_steps(SimpleNamespace(num_steps=steps, sde_type=cfg.rollout.sde_type)) if e.sde else 0
+    """The run's sampling with the evaluation's sampler fields (of a validated config, whose
+    nulls took the rollout's values); with `eval.sde`, every noisy step is the rollout's SDE
+    step, else the deterministic ODE."""
+    e = cfg.eval
+    sde = noisy_steps(SimpleNamespace(num_steps=e.steps, sde_type=cfg.rollout.sde_type)) if e.sde else 0
     return dataclasses.replace(
-        options,
-        num_steps=steps,
-        guidance_scale=e.guidance_scale if e.guidance_scale is not None else options.guidance_scale,
-        resolution=e.resolution if e.resolution is not None else options.resolution,
+        run_sampling_options(cfg),
+        num_steps=e.steps,
+        guidance_scale=e.guidance_scale,
+        resolution=e.resolution,
         sde_steps=(0, sde),
     )
 

@@ -41,6 +41,7 @@ from omni import report
 from omni.atomic import write_directory
 from omni.config.errors import ConfigError
 from omni.data.prompts import resolve_prompt_file
+from omni.evaluation import category, prompt_source
 
 RESULTS_DIR = "results"
 FILES = ("config.yaml", "manifest.json", "metrics.json", "history.json", "report.html")
@@ -231,7 +232,7 @@ def record_evaluation(prompts: Sequence[str], images, scores, per_prompt: int, l
     `prompts` each repeated `per_prompt` times in a row -> an EvaluationRecord whose images
     are the first `limit` of the prompts' first seeds."""
     scores = [float(s) for s in scores]
-    record = EvaluationRecord([getattr(p, "metadata", {}).get("tag") for p in prompts], scores)
+    record = EvaluationRecord([category(p) for p in prompts], scores)
     for index in range(0, len(prompts), per_prompt)[:limit]:
         score = f"{scores[index]:.4g}" if math.isfinite(scores[index]) else "not scored"
         record.images.append((to_pil(images[index]), f"{prompts[index]} (reward {score})"))
@@ -243,8 +244,6 @@ def data_files(cfg) -> Dict[str, Path]:
     """The files of a run's prompt sets ({"train", "eval"}: the evaluation's source, eval.prompts
     or data.eval, when it is not the training set), and its preference pairs ("pairs") when
     they are one file (a folder or glob of shards is not hashed)."""
-    from omni.evaluation import prompt_source
-
     data = cfg.data
     files = {"train": resolve_prompt_file(data.train, "data.train")}
     spec, key = prompt_source(cfg)

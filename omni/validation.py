@@ -121,13 +121,7 @@ def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
     engine_check = getattr(ENGINES.module(engine_name(cfg)), "check_config", None)
     if engine_check is not None:  # the engine's own rules (rollout=vllm: a family it serves, an engine to reach)
         engine_check(cfg, family)
-    multiple = (
-        family.tiny_resolution_multiple() if model.tiny_seed is not None else family.resolution_multiple(model.path)
-    )
-    require(
-        rollout.resolution > 0 and rollout.resolution % multiple == 0,
-        f"rollout.resolution={rollout.resolution}: this model takes multiples of {multiple} (VAE factor x patch size)",
-    )
+    check_resolution("rollout.resolution", rollout.resolution, model, family)
     require(
         family.video or rollout.num_frames == 1,
         f"rollout.num_frames={rollout.num_frames}: model.family={family.name} makes images (1 frame); "
@@ -306,26 +300,25 @@ def check_prompts(cfg: TrainConfig) -> None:
     need: the first that lacks it is named, with its line."""
     data, components = cfg.data, cfg.reward.components
     extra = {name: reward_options(name, {}, "eval.rewards") for name in cfg.eval.rewards if name not in components}
-    sets = [(data.train, "data.train", components), (data.eval, "data.eval", components)]
-    sets.append((cfg.eval.prompts, "eval.prompts", components))
-    spec, key = prompt_source(cfg)
-    sets.append((spec, key, extra))
-    for spec, key, rewards in sets:
+    _, eval_key = prompt_source(cfg)
+    for spec, key in ((data.train, "data.train"), (data.eval, "data.eval"), (cfg.eval.prompts, "eval.prompts")):
         if spec is None:
             continue
         try:
             prompts = load_prompts(spec, key, data.skip_bad_rows)
         except (OSError, ValueError) as error:
             raise ConfigError(str(error)) from None
-        for name, options in rewards.items():
-            component, where = REWARDS.get(name), "eval.rewards" if rewards is extra else "reward.components"
-            for prompt in prompts:
-                problem = component.prompt_problem(options, prompt)
-                require(
-                    problem is None,
-                    f"{key}={spec}: {prompt.origin}: {where}.{name} needs {problem}; "
-                    f"the prompt is {str(prompt)[:100]!r}",
-                )
+        needs = [("reward.components", components)] + ([("eval.rewards", extra)] if key == eval_key else [])
+        for where, rewards in needs:
+            for name, options in rewards.items():
+                component = REWARDS.get(name)
+                for prompt in prompts:
+                    problem = component.prompt_problem(options, prompt)
+                    require(
+                        problem is None,
+                        f"{key}={spec}: {prompt.origin}: {where}.{name} needs {problem}; "
+                        f"the prompt is {str(prompt)[:100]!r}",
+                    )
 
 
 def check_eval(cfg: TrainConfig, family: ModelFamily) -> None:
@@ -342,13 +335,17 @@ def check_eval(cfg: TrainConfig, family: ModelFamily) -> None:
             f"eval.rewards: '{name}' scores {'clips' if REWARDS.get(name).video else 'images'} but "
             f"model.family={family.name} makes {'clips' if family.video else 'images'}",
         )
-    model = cfg.model
+    check_resolution("eval.resolution", cfg.eval.resolution, cfg.model, family)
+
+
+def check_resolution(key: str, resolution: int, model, family: ModelFamily) -> None:
+    """`resolution` (the value of `key`) is positive and one the model takes."""
     multiple = (
         family.tiny_resolution_multiple() if model.tiny_seed is not None else family.resolution_multiple(model.path)
     )
     require(
-        cfg.eval.resolution % multiple == 0,
-        f"eval.resolution={cfg.eval.resolution}: this model takes multiples of {multiple} (VAE factor x patch size)",
+        resolution > 0 and resolution % multiple == 0,
+        f"{key}={resolution}: this model takes multiples of {multiple} (VAE factor x patch size)",
     )
 
 
