@@ -28,9 +28,11 @@ from omegaconf import DictConfig, OmegaConf
 from omni.algorithms import get_algorithm
 from omni.checkpoint import CheckpointMismatch, DamagedCheckpoint, check_checkpoint, check_lora_file
 from omni.config import TrainConfig
+from omni.config.algorithm import AdvantageNorm
 from omni.config.errors import ConfigError, require
 from omni.config.eval import moved_key_message
 from omni.config.model import DType
+from omni.config.reward import Aggregation
 from omni.data.prompts import load_prompts
 from omni.evaluation import prompt_source
 from omni.known_bad import check_known_bad
@@ -278,6 +280,32 @@ def check_rewards(reward) -> None:
     )
 
 
+def check_aggregation(cfg: TrainConfig) -> None:
+    """GDPO normalises each reward within its prompt's group: it needs several rewards that
+    count and an algorithm that samples groups, and a per-reward normalisation that removes
+    each reward's scale."""
+    reward, algo = cfg.reward, cfg.algorithm
+    if Aggregation(reward.aggregation) != Aggregation.gdpo:
+        return
+    weighted = [name for name, options in reward.components.items() if options.weight != 0]
+    require(
+        len(weighted) >= 2,
+        f"reward.aggregation=gdpo normalises each reward apart, but reward.components has "
+        f"{len(weighted)} with a nonzero weight ({', '.join(weighted) or 'none'}); name two or more "
+        "(e.g. reward=multi), or leave reward.aggregation=weighted_sum",
+    )
+    require(
+        hasattr(algo, "group_size"),
+        f"reward.aggregation=gdpo normalises each reward within its prompt's group, but algorithm={algo.name} "
+        "samples no groups (it has no algorithm.group_size); leave reward.aggregation=weighted_sum",
+    )
+    require(
+        getattr(algo, "adv_norm", None) != AdvantageNorm["none"],
+        "reward.aggregation=gdpo with algorithm.adv_norm=none: each reward would keep its own scale "
+        "before the sum, which GDPO removes; set algorithm.adv_norm=group (GDPO's) or global",
+    )
+
+
 def check_reward_kinds(reward, family: ModelFamily) -> None:
     """Clip rewards for a video model, image rewards for an image model."""
     for name in reward.components:
@@ -450,6 +478,7 @@ def check(cfg: TrainConfig, family: ModelFamily) -> None:
     _lookup(get_algorithm, cfg.algorithm.name).check_config(cfg)
     check_logger(cfg.logger, family)
     check_rewards(cfg.reward)
+    check_aggregation(cfg)
     check_reward_kinds(cfg.reward, family)
     check_eval(cfg, family)
     check_prompts(cfg)

@@ -8,6 +8,7 @@ import torch
 
 from omni import checkpoint
 from omni.algorithms import flow_grpo
+from omni.algorithms.advantages import group_advantages, masked_group_advantages
 from omni.models.sd3 import FAMILY
 from omni.rewards import NonFiniteReward
 from omni.rewards.brightness import Brightness
@@ -47,9 +48,9 @@ def test_nan_reward_dropped_leaves_those_images_out(tiny_cache, tmp_path, monkey
     nan_on_second_image(monkeypatch)
     rewards = torch.tensor([0.1, float("nan"), 0.5, 0.3, 0.2, 0.2, 0.4, float("inf")])
     valid = torch.isfinite(rewards)
-    advantages = flow_grpo.masked_group_advantages(rewards, valid, group_size=4)
+    advantages = masked_group_advantages(rewards, valid, group_size=4)
     assert advantages[1] == 0 and advantages[7] == 0 and torch.isfinite(advantages).all()
-    expected = flow_grpo.group_advantages(torch.tensor([0.1, 0.5, 0.3]), 3)
+    expected = group_advantages(torch.tensor([0.1, 0.5, 0.3]), 3)
     assert torch.allclose(advantages[[0, 2, 3]], expected)
     final = run(config(tiny_cache, tmp_path, "trainer.steps=2", "reward.nonfinite=drop"))
     assert math.isfinite(final)

@@ -19,6 +19,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from omni.algorithms.advantages import aggregated_advantages
 from omni.config.algorithm import AlgorithmConfig
 from omni.context import StepContext, means, step_seeds
 from omni.data.prompts import items_for_step
@@ -76,7 +77,13 @@ class ScoredRollout:
     batch: RolloutBatch
     scores: Dict[str, torch.Tensor]  # "reward" and each named component, one per image
     valid: torch.Tensor  # images whose reward is finite (the others sit the update out)
+    weights: Dict[str, float]  # each component's weight, by its name in `scores`
     timings: Dict[str, float] = field(default_factory=dict)
+
+    def advantages(self, group_size: int, aggregation, adv_norm="group") -> Tuple[torch.Tensor, Dict[str, float]]:
+        """Each image's group advantage, the components summed as `reward.aggregation` says
+        (omni.algorithms.advantages) -> (advantages, metrics)."""
+        return aggregated_advantages(self.scores, self.weights, self.valid, group_size, aggregation, adv_norm)
 
     def reward_metrics(self) -> Dict[str, float]:
         kept = {name: values[self.valid] for name, values in self.scores.items()}
@@ -95,4 +102,4 @@ def grouped_rollout(ctx: StepContext, step: int, group_size: int, sde_steps: Tup
     )
     valid = ctx.reward.finite(scores, f"training step {step + 1}")
     ctx.log_images(batch.images, step)
-    return ScoredRollout(prompts, batch, scores, valid, timings)
+    return ScoredRollout(prompts, batch, scores, valid, ctx.reward.weights, timings)

@@ -32,9 +32,10 @@ from typing import Dict, List, Tuple
 import torch
 
 from omni import seeding
+from omni.algorithms.advantages import clip_advantages
 from omni.algorithms.base import Algorithm, grouped_rollout, sync_engine
 from omni.algorithms.dpo import noisy_latents, sample_sigmas
-from omni.algorithms.flow_grpo import check_groups, clip_advantages, masked_group_advantages
+from omni.algorithms.flow_grpo import check_groups
 from omni.config.algorithm import AdvantageNorm, AlgorithmConfig, SigmaSampling
 from omni.config.errors import require
 from omni.config.rollout import SDEType
@@ -221,7 +222,7 @@ class DiffusionNFT(Algorithm):
     def step(self, step: int) -> Dict[str, float]:
         algo, worker = self.cfg.algorithm, self.ctx.worker
         rollout = grouped_rollout(self.ctx, step, algo.group_size, (0, 0))  # every step the ODE's
-        advantages = masked_group_advantages(rollout.scores["reward"], rollout.valid, algo.group_size, algo.adv_norm)
+        advantages, advantage_metrics = rollout.advantages(algo.group_size, self.cfg.reward.aggregation, algo.adv_norm)
         r = optimality(clip_advantages(advantages, algo.adv_clip_max), algo.adv_clip_max)
         keep = rollout.valid  # an image without a finite reward sits the update out
         cond = rollout.batch.cond.apply(lambda t: t[keep])
@@ -230,7 +231,8 @@ class DiffusionNFT(Algorithm):
         metrics = worker.apply_update(update, batch, update_seed(self.cfg.seed, step))
         timings = {**rollout.timings, "time/update": time.perf_counter() - tick}
         timings.update(sync_engine(worker))
-        return {**rollout.reward_metrics(), **{f"train/{k}": v for k, v in metrics.items()}, **timings}
+        train = {f"train/{k}": v for k, v in metrics.items()}
+        return {**rollout.reward_metrics(), **advantage_metrics, **train, **timings}
 
 
 ALGORITHM = DiffusionNFT

@@ -1,15 +1,15 @@
-"""Flow-GRPO (Liu et al. 2025) and its Fast window: advantages, clipped ratio loss, KL, the
-update on a worker, and the training step.
+"""Flow-GRPO (Liu et al. 2025) and its Fast window: clipped ratio loss, KL, the update on a
+worker, and the training step.
 
 GRPO needs no value network: each prompt is sampled `group_size` times and an image's
 advantage is its reward minus its group's mean, divided by the group's std, the batch's std,
-or nothing (`algorithm.adv_norm`: group, global, or none as in Dr.GRPO, Liu et al. 2025,
-"Understanding R1-Zero-Like Training"). The policy gradient is PPO's clipped importance-ratio
-loss, applied per denoising step, with an optional penalty `kl_coef` x KL to the reference:
-between the policy's and the reference's Gaussian steps (`algorithm.kl_type=latent`, the
-paper's), or the squared distance of their predicted velocities (`kl_type=velocity`:
-independent of the noise level and the step size, and of the sampler). Flow-GRPO-Fast samples
-with the SDE (and trains) only on a window of the steps.
+or nothing (`algorithm.adv_norm`; with several rewards, summed before or after that
+normalisation, `reward.aggregation`: omni/algorithms/advantages.py). The policy gradient is
+PPO's clipped importance-ratio loss, applied per denoising step, with an optional penalty
+`kl_coef` x KL to the reference: between the policy's and the reference's Gaussian steps
+(`algorithm.kl_type=latent`, the paper's), or the squared distance of their predicted
+velocities (`kl_type=velocity`: independent of the noise level and the step size, and of the
+sampler). Flow-GRPO-Fast samples with the SDE (and trains) only on a window of the steps.
 
     python recipes/train.py algorithm=flow_grpo            # or algorithm=flow_grpo_fast
 """
@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from omni import seeding
+from omni.algorithms.advantages import clip_advantages
 from omni.algorithms.base import Algorithm, grouped_rollout, sync_engine
 from omni.config.algorithm import AdvantageNorm, AlgorithmConfig, CFGGradient, KLType
 from omni.config.errors import require
@@ -62,55 +63,6 @@ class FlowGRPOConfig(GroupPolicyConfig):
     """Flow-GRPO and GRPO-Guard: PPO's ratio clipping."""
 
     clip_range: float = 1e-4
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int, norm: str = "group", eps: float = 1e-4):
-    """Rewards ordered group by group (group_size consecutive samples per prompt) ->
-    advantages r - mean of its group, divided by the std of its group (norm "group", GRPO),
-    of the whole batch ("global") or by nothing ("none", Dr.GRPO: the std division favours
-    prompts whose images barely differ)."""
-    norm = _norm_name(norm)
-    if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    grouped = rewards.reshape(-1, group_size).float()
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
-    if norm == "none":
-        return centred.reshape(-1)
-    std = rewards.float().std() if norm == "global" else grouped.std(dim=1, keepdim=True)
-    return (centred / (std + eps)).reshape(-1)
-
-
-def masked_group_advantages(
-    rewards: torch.Tensor, valid: torch.Tensor, group_size: int, norm: str = "group", eps: float = 1e-4
-):
-    """`group_advantages` over the valid rewards only; an invalid (non-finite) reward gets
-    advantage 0, so its image takes no part in the update."""
-    norm = _norm_name(norm)
-    if valid.all():
-        return group_advantages(rewards, group_size, norm, eps)
-    mask = valid.reshape(-1, group_size)
-    grouped = torch.where(mask, rewards.reshape(-1, group_size).float(), torch.zeros(()))
-    count = mask.sum(dim=1, keepdim=True)
-    centred = torch.where(mask, grouped - grouped.sum(dim=1, keepdim=True) / count.clamp(min=1), torch.zeros(()))
-    if norm == "none":
-        return centred.reshape(-1)
-    if norm == "global":
-        std = rewards[valid].float().std()
-    else:
-        std = ((centred**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
-    return (centred / (std + eps)).reshape(-1)
-
-
-def _norm_name(norm) -> str:
-    """ "group", "global" or "none", from the config's enum or a plain string."""
-    norm = getattr(norm, "value", norm)
-    if norm not in ("group", "global", "none"):
-        raise ValueError(f"advantage normalisation {norm!r}: expected group, global or none")
-    return norm
-
-
-def clip_advantages(advantages: torch.Tensor, max_abs: float) -> torch.Tensor:
-    return advantages.clamp(-max_abs, max_abs)
 
 
 def clipped_policy_loss(
@@ -368,7 +320,7 @@ class FlowGRPO(Algorithm):
     def step(self, step: int) -> Dict[str, float]:
         algo, worker = self.cfg.algorithm, self.ctx.worker
         rollout = grouped_rollout(self.ctx, step, algo.group_size, self.window(step))
-        advantages = masked_group_advantages(rollout.scores["reward"], rollout.valid, algo.group_size, algo.adv_norm)
+        advantages, advantage_metrics = rollout.advantages(algo.group_size, self.cfg.reward.aggregation, algo.adv_norm)
         advantages = clip_advantages(advantages, algo.adv_clip_max)
         tick = time.perf_counter()
         metrics = worker.apply_update(
@@ -376,7 +328,8 @@ class FlowGRPO(Algorithm):
         )
         timings = {**rollout.timings, "time/update": time.perf_counter() - tick}
         timings.update(sync_engine(worker))
-        return {**rollout.reward_metrics(), **{f"train/{k}": v for k, v in metrics.items()}, **timings}
+        train = {f"train/{k}": v for k, v in metrics.items()}
+        return {**rollout.reward_metrics(), **advantage_metrics, **train, **timings}
 
 
 def check_policy_config(cfg) -> None:

@@ -1,7 +1,10 @@
 """Online Diffusion-DPO: each prompt is sampled `group_size` times with the current policy,
 and its best and worst image by reward form a pair (a group whose rewards all tie gives no
-pair and is counted). The pairs' final latents train the LoRA with Diffusion-DPO's loss
-(`omni.algorithms.dpo`) against the same transformer with adapters disabled.
+pair and is counted). With `reward.aggregation=gdpo` the images are ranked by GDPO's
+advantages (omni/algorithms/advantages.py) instead of the weighted sum of their rewards, so
+that each reward counts on the scale of its spread within the group. The pairs' final
+latents train the LoRA with Diffusion-DPO's loss (`omni.algorithms.dpo`) against the same
+transformer with adapters disabled.
 
     python recipes/train.py algorithm=online_dpo
 """
@@ -10,13 +13,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Tuple
 
 import torch
 
 from omni.algorithms import dpo
-from omni.algorithms.base import Algorithm, grouped_rollout, sync_engine
+from omni.algorithms.base import Algorithm, ScoredRollout, grouped_rollout, sync_engine
 from omni.algorithms.flow_grpo import check_groups
+from omni.config.reward import Aggregation
 from omni.context import update_seed
 
 
@@ -40,6 +44,15 @@ def best_and_worst(rewards: torch.Tensor, group_size: int, tie_tolerance: float 
     return (best + offsets)[keep], (worst + offsets)[keep], int((~keep).sum())
 
 
+def ranking(rollout: ScoredRollout, group_size: int, aggregation) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """What the images of each group are ranked by: their reward, or with gdpo their GDPO
+    advantage (NaN for an image without a finite reward, which is in no pair) -> (values, metrics)."""
+    if Aggregation(aggregation) != Aggregation.gdpo:
+        return rollout.scores["reward"], {}
+    advantages, metrics = rollout.advantages(group_size, aggregation)
+    return torch.where(rollout.valid, advantages, float("nan")), metrics
+
+
 class OnlineDPO(Algorithm):
     Options = OnlineDPOConfig  # its options: schema/algorithm/online_dpo
 
@@ -55,7 +68,8 @@ class OnlineDPO(Algorithm):
     def step(self, step: int) -> Dict[str, float]:
         cfg, algo, worker = self.cfg, self.cfg.algorithm, self.ctx.worker
         rollout = grouped_rollout(self.ctx, step, algo.group_size, (0, cfg.rollout.num_steps))
-        chosen, rejected, ties = best_and_worst(rollout.scores["reward"], algo.group_size)
+        ranked, advantage_metrics = ranking(rollout, algo.group_size, cfg.reward.aggregation)
+        chosen, rejected, ties = best_and_worst(ranked, algo.group_size)
         timings, metrics = dict(rollout.timings), {}
         if len(chosen):
             tick = time.perf_counter()
@@ -66,6 +80,7 @@ class OnlineDPO(Algorithm):
             timings.update(sync_engine(worker))
         return {
             **rollout.reward_metrics(),
+            **advantage_metrics,
             "train/pairs": float(len(chosen)),
             "train/tied_groups": float(ties),
             **{f"train/{k}": v for k, v in metrics.items()},

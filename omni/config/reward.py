@@ -2,7 +2,9 @@
 
 `components` maps a reward's name (a module of omni/rewards/) to its options; each reward
 types its own options (`omni.rewards.base.RewardOptions` and subclasses: weight, batch
-size, device, ...), checked at validation. The reward of an image is the weighted sum.
+size, device, ...), checked at validation. The reward of an image is the weighted sum;
+`aggregation` says whether the advantages of a grouped rollout are those of that sum, or
+the weighted sum of each reward's own group advantages (GDPO, omni/algorithms/advantages.py).
 With `overlap`, a rollout is scored part by part while it is sampled (omni.rewards.streaming).
 """
 
@@ -13,6 +15,14 @@ from typing import Any, Dict
 from omegaconf import MISSING
 
 from omni.config.errors import require
+
+
+class Aggregation(str, Enum):
+    """Where a grouped rollout's rewards are summed: before the group normalisation, or after."""
+
+    weighted_sum = "weighted_sum"  # the advantages of sum_k w_k r_k
+    # each reward normalised within its group, the weighted sum of those over the batch (GDPO)
+    gdpo = "gdpo"
 
 
 class NonFinite(str, Enum):
@@ -27,6 +37,9 @@ class RewardConfig:
     batch_size: int = 64
     # What a NaN or inf reward does.
     nonfinite: NonFinite = NonFinite.fail
+    # How the components make the advantages of a grouped rollout (see Aggregation); gdpo
+    # needs two weighted components and an algorithm that samples groups (algorithm.group_size).
+    aggregation: Aggregation = Aggregation.weighted_sum
     # A rollout is scored in parts of rollout.micro_batch_size images per worker: with
     # overlap, each part on a background thread while the next is sampled; without, after
     # the whole rollout. The scores are the same either way.

@@ -51,6 +51,11 @@ class WeightedReward:
         self.batch_size = batch_size
         self.nonfinite = nonfinite
 
+    @property
+    def weights(self) -> Dict[str, float]:
+        """Each component's weight, by the name its scores go under (`Reward.metric`)."""
+        return {reward.metric: reward.options.weight for reward in self.rewards.values()}
+
     def setup(self) -> None:
         for reward in self.rewards.values():
             reward.setup()
@@ -81,7 +86,7 @@ class WeightedReward:
     def combine(self, parts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """The `component_scores` of consecutive parts as one, with their weighted sum as "reward"."""
         scores = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
-        scores["reward"] = sum(reward.options.weight * scores[reward.metric] for reward in self.rewards.values())
+        scores["reward"] = sum(weight * scores[metric] for metric, weight in self.weights.items())
         return scores
 
     def finite(self, scores: Dict[str, torch.Tensor], where: str) -> torch.Tensor:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from omni.algorithms import dpo
-from omni.algorithms.online_dpo import best_and_worst
+from omni.algorithms.base import ScoredRollout
+from omni.algorithms.online_dpo import best_and_worst, ranking
 from omni.data.pair_loader import split_positions
 from omni.trainer import Trainer
 from omni.validation import validate
@@ -86,6 +87,22 @@ def test_best_and_worst_skip_ties():
     chosen, rejected, ties = best_and_worst(rewards, group_size=3)
     assert chosen.tolist() == [1, 6]
     assert rejected.tolist() == [0, 8] and ties == 1
+
+
+def test_online_pairs_under_gdpo_follow_the_weights():
+    """Two prompts: in each, image 1 is slightly better on a reward of large scale, image 0
+    much better on a small-scale one that weighs more. The weighted sum picks image 1;
+    GDPO's ranking picks image 0. An image without a finite reward is in no pair."""
+    scores = {"large": torch.tensor([100.0, 102.0, 100.0, 102.0]), "small": torch.tensor([1.0, 0.0, 1.0, 0.0])}
+    weights = {"large": 0.4, "small": 0.6}
+    scores["reward"] = sum(w * scores[name] for name, w in weights.items())
+    rollout = ScoredRollout([], None, scores, torch.tensor([True, True, True, False]), weights)
+    by_sum, metrics = ranking(rollout, 2, "weighted_sum")
+    assert metrics == {} and best_and_worst(by_sum, 2)[0].tolist() == [1, 3]
+    by_gdpo, metrics = ranking(rollout, 2, "gdpo")
+    assert "reward/small/advantage_std" in metrics
+    chosen, rejected, ties = best_and_worst(by_gdpo, 2)
+    assert chosen.tolist() == [0] and rejected.tolist() == [1] and ties == 1
 
 
 def test_split_is_seeded_and_disjoint():

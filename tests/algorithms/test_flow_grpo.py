@@ -1,4 +1,4 @@
-"""Advantages, clipping, the clipped ratio loss and the KL on hand-computed cases."""
+"""The clipped ratio loss and the KL on hand-computed cases (the advantages: test_advantages.py)."""
 
 import math
 
@@ -7,64 +7,12 @@ import torch
 
 from omni.algorithms.flow_grpo import (
     ScoredSteps,
-    clip_advantages,
     clipped_policy_loss,
     gaussian_step_kl,
-    group_advantages,
-    masked_group_advantages,
     reference_kl,
     velocity_kl,
 )
 from omni.rollout.sde import sde_step
-
-
-def test_group_advantages_hand_computed():
-    rewards = torch.tensor([1.0, 3.0, 10.0, 10.0])
-    adv = group_advantages(rewards, group_size=2, eps=1e-4)
-    std = math.sqrt(2) + 1e-4  # unbiased std of (1, 3)
-    assert torch.allclose(adv[:2], torch.tensor([-1 / std, 1 / std]))
-    assert torch.allclose(adv[2:], torch.zeros(2))  # a tie gives no signal
-
-
-def test_global_std():
-    rewards = torch.tensor([1.0, 3.0, 5.0, 7.0])
-    adv = group_advantages(rewards, group_size=2, norm="global", eps=0.0)
-    # batch std of (1, 3, 5, 7): sqrt(((9 + 1 + 1 + 9) / 3)) = sqrt(20 / 3)
-    assert torch.allclose(adv, torch.tensor([-1.0, 1.0, -1.0, 1.0]) / math.sqrt(20 / 3))
-
-
-def test_no_std_division_as_in_dr_grpo():
-    rewards = torch.tensor([1.0, 3.0, 10.0, 16.0])
-    adv = group_advantages(rewards, group_size=2, norm="none")
-    # r - group mean only: group means 2 and 13
-    assert torch.equal(adv, torch.tensor([-1.0, 1.0, -3.0, 3.0]))
-
-
-@pytest.mark.parametrize("norm", ["group", "global", "none"])
-def test_masked_advantages_leave_out_invalid_rewards(norm):
-    """A non-finite reward gets advantage 0 and its group is normalised over the others."""
-    rewards = torch.tensor([1.0, 3.0, 5.0, float("nan"), 2.0, 8.0])
-    valid = torch.isfinite(rewards)
-    adv = masked_group_advantages(rewards, valid, group_size=3, norm=norm, eps=0.0)
-    # group 1: (1, 3, 5), mean 3, std 2; group 2: (2, 8), mean 5, std sqrt(18); batch std of the 5
-    batch_std = math.sqrt(sum((r - 3.8) ** 2 for r in (1, 3, 5, 2, 8)) / 4)
-    scale = {"group": (2.0, math.sqrt(18)), "global": (batch_std, batch_std), "none": (1.0, 1.0)}[norm]
-    expected = [-2 / scale[0], 0.0, 2 / scale[0], 0.0, -3 / scale[1], 3 / scale[1]]
-    assert torch.allclose(adv, torch.tensor(expected), atol=1e-6)
-
-
-def test_unknown_normalisation_is_refused():
-    with pytest.raises(ValueError, match="batch"):
-        group_advantages(torch.zeros(4), 2, norm="batch")
-
-
-def test_group_size_must_divide():
-    with pytest.raises(ValueError, match="groups of 3"):
-        group_advantages(torch.zeros(4), 3)
-
-
-def test_clip_advantages():
-    assert torch.equal(clip_advantages(torch.tensor([-9.0, 0.5, 9.0]), 5.0), torch.tensor([-5.0, 0.5, 5.0]))
 
 
 def test_clipped_loss_hand_computed():

@@ -59,3 +59,37 @@ def test_scoring_overlaps_sampling_with_the_same_results(worker):
     assert set(on.scores) == {"reward", "brightness", "jpeg_compressibility"}
     assert all(torch.equal(on.scores[k], off.scores[k]) for k in off.scores)
     assert on.timings["time/reward_wait"] <= on.timings["time/reward"] + 0.05
+
+
+def test_flow_grpo_step_under_gdpo(fresh, monkeypatch):
+    """With reward.aggregation=gdpo, Flow-GRPO's step trains on GDPO's advantages of the
+    rollout's scores, logs each reward's advantage spread, and moves the LoRA."""
+    from omni.algorithms.advantages import clip_advantages, gdpo_advantages
+    from omni.algorithms.flow_grpo import FlowGRPO
+
+    cfg = fresh.cfg
+    monkeypatch.setattr(cfg.trainer, "batch_size", 4)
+    monkeypatch.setattr(cfg.algorithm, "group_size", 2)
+    monkeypatch.setattr(cfg.reward, "aggregation", "gdpo")
+    reward = WeightedReward({"brightness": {"weight": 0.7}, "jpeg_compressibility": {"weight": 0.3}})
+    ctx = StepContext(cfg, None, load_prompts("omni:colors_train"), [], reward, worker=fresh)
+    seen = {}
+    sample_and_score, apply_update = ctx.sample_and_score, fresh.apply_update
+
+    def noted_sampling(*args):
+        seen["rollout"] = sample_and_score(*args)
+        return seen["rollout"]
+
+    def noted_update(fn, batch, seed):
+        seen["batch"] = batch
+        return apply_update(fn, batch, seed)
+
+    ctx.sample_and_score = noted_sampling
+    monkeypatch.setattr(fresh, "apply_update", noted_update)
+    before = [p.detach().clone() for p in fresh.trainable]
+    metrics = FlowGRPO(ctx).step(0)
+    scores = seen["rollout"][1]
+    expected, _ = gdpo_advantages(scores, reward.weights, torch.ones(4, dtype=torch.bool), 2)
+    assert torch.allclose(seen["batch"].advantages, clip_advantages(expected, cfg.algorithm.adv_clip_max))
+    assert {"reward/brightness/advantage_std", "reward/jpeg_compressibility/advantage_std"} <= set(metrics)
+    assert any(not torch.equal(p, q) for p, q in zip(fresh.trainable, before))

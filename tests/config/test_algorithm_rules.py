@@ -47,6 +47,23 @@ BAD = {
     ),
     "dppo threshold": (["algorithm=flow_dppo", "algorithm.kl_mask_threshold=0"], ["algorithm.kl_mask_threshold"]),
     "dppo has no clip range": (["algorithm=flow_dppo", "algorithm.clip_range=0.1"], ["algorithm.clip_range"]),
+    "unknown reward aggregation": (["reward=multi", "reward.aggregation=mean"], ["reward.aggregation"]),
+    "gdpo with one reward": (
+        ["reward.aggregation=gdpo"],
+        ["reward.aggregation=gdpo", "reward.components", "brightness"],
+    ),
+    "gdpo with one weighted reward": (
+        ["reward=multi", "reward.aggregation=gdpo", "reward.components.jpeg_compressibility.weight=0"],
+        ["reward.aggregation=gdpo", "reward.components"],
+    ),
+    "gdpo without groups": (
+        ["reward=multi", "reward.aggregation=gdpo", "algorithm=dpo", "data=pairs", "data.pairs=/tmp"],
+        ["reward.aggregation=gdpo", "algorithm=dpo", "algorithm.group_size"],
+    ),
+    "gdpo without the std division": (
+        ["reward=multi", "reward.aggregation=gdpo", "algorithm.adv_norm=none"],
+        ["reward.aggregation=gdpo", "algorithm.adv_norm=none"],
+    ),
 }
 
 
@@ -69,6 +86,10 @@ GOOD = [
     # DPM-Solver++(2M) for ODE rollouts, and for evaluation under SDE-only algorithms
     ["algorithm=diffusion_nft", "rollout.ode_solver=dpm2"],
     ["algorithm=flow_grpo", "rollout.ode_solver=dpm2", "rollout.sde_type=cps"],
+    # GDPO's advantages under every algorithm that samples groups
+    ["reward=multi", "reward.aggregation=gdpo", "algorithm.adv_norm=global"],
+    ["reward=multi", "reward.aggregation=gdpo", "algorithm=diffusion_nft"],
+    ["reward=multi", "reward.aggregation=gdpo", "algorithm=online_dpo"],
 ]
 
 

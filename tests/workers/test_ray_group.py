@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from omni.algorithms import flow_grpo
+from omni.algorithms.advantages import group_advantages
 from omni.context import step_seeds
 from omni.distributed import free_port
 from omni.trainer import model_path
@@ -95,7 +96,7 @@ def test_two_workers_match_one_worker(model, tiny_cache, tmp_path):
     prompts = ["a red cat"] * 4 + ["a blue dog"] * 4
     seeds = step_seeds(0, 0, len(prompts))
     batch = one.generate(prompts, seeds, sampling(cfg, 0))
-    advantages = flow_grpo.group_advantages(torch.linspace(0, 1, len(prompts)) ** 2, 4)
+    advantages = group_advantages(torch.linspace(0, 1, len(prompts)) ** 2, 4)
     initial_lora = one.trained_state_dict()
     one_metrics = one.apply_update(flow_grpo.update, flow_grpo.GRPOBatch(batch, advantages), seed=7)
     one_lora = one.trained_state_dict()
