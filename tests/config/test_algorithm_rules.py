@@ -47,6 +47,17 @@ BAD = {
     ),
     "dppo threshold": (["algorithm=flow_dppo", "algorithm.kl_mask_threshold=0"], ["algorithm.kl_mask_threshold"]),
     "dppo has no clip range": (["algorithm=flow_dppo", "algorithm.clip_range=0.1"], ["algorithm.clip_range"]),
+    "cps with dgpo": (["algorithm=dgpo", "rollout.sde_type=cps"], ["rollout.sde_type=cps", "algorithm=dgpo"]),
+    "dgpo beta": (["algorithm=dgpo", "algorithm.beta=0"], ["algorithm.beta=0"]),
+    "dgpo noise levels": (["algorithm=dgpo", "algorithm.timesteps_per_group=0"], ["algorithm.timesteps_per_group=0"]),
+    "dgpo more minibatches than units": (
+        ["algorithm=dgpo", "algorithm.num_minibatches=9"],  # 4 prompts x 2 noise levels
+        ["algorithm.num_minibatches=9", "algorithm.timesteps_per_group"],
+    ),
+    "dgpo groups split over workers": (
+        ["algorithm=dgpo", "trainer.n_workers=8"],  # 32 images in groups of 8: 4 prompts
+        ["algorithm=dgpo", "trainer.n_workers=8", "algorithm.group_size=8"],
+    ),
     "unknown reward aggregation": (["reward=multi", "reward.aggregation=mean"], ["reward.aggregation"]),
     "gdpo with one reward": (
         ["reward.aggregation=gdpo"],
@@ -90,6 +101,9 @@ GOOD = [
     ["reward=multi", "reward.aggregation=gdpo", "algorithm.adv_norm=global"],
     ["reward=multi", "reward.aggregation=gdpo", "algorithm=diffusion_nft"],
     ["reward=multi", "reward.aggregation=gdpo", "algorithm=online_dpo"],
+    ["reward=multi", "reward.aggregation=gdpo", "algorithm=dgpo"],
+    # DGPO's default mode: rollouts under CFG, the update without
+    ["algorithm=dgpo", "rollout.guidance_scale=4.5", "algorithm.num_minibatches=8"],
 ]
 
 

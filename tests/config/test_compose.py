@@ -137,7 +137,10 @@ def test_unknown_key_fails_naming_it():
 
 
 APPENDED = [
-    ("+reward.weights.aesthetic=1.0", "reward.weights: no such key (the schema of reward has aggregation, batch_size, components"),
+    (
+        "+reward.weights.aesthetic=1.0",
+        "reward.weights: no such key (the schema of reward has aggregation, batch_size, components",
+    ),
     ("+trainer.lr_warmup=10", "trainer.lr_warmup: no such key"),
     ("+reward.components.brightness.wieght=2", "reward.components.brightness.wieght: no such key"),
     ("+model.lora.dropout=0.1", "model.lora.dropout: no such key"),

@@ -4,8 +4,8 @@ steps each, all runs at once, and the held-out reward rises (paired t > 3) in ev
 A regression guard at a short horizon, one seed per run; the claim that each learns on more
 than one seed is `scripts/compare_algorithms.py`'s table (50 steps, seeds 0 and 1, README).
 At 20 steps Flow-GRPO's seed 1 is still in a dip (its options read t -5 there and rise by
-step 50), and MixGRPO-Flash's seed 1 has only used the first window (t 1.7), so those runs
-take the other seed."""
+step 50), MixGRPO-Flash's seed 1 has only used the first window (t 1.7), and DGPO's seed 0
+has not yet moved (t -1.2 at 20 steps, 6.0 at 50), so those runs take the other seed."""
 
 import pytest
 
@@ -18,6 +18,7 @@ RUNS = {
     # the sliding SDE window with DPM-Solver++(2M) ODE steps elsewhere
     "mix_grpo_flash": ["algorithm=mix_grpo_flash", "seed=0"],
     "diffusion_nft": ["algorithm=diffusion_nft", "seed=1"],
+    "dgpo": ["algorithm=dgpo", "seed=1"],
     # Dr.GRPO's advantages, the KL to the base on the velocity, and an EMA that is evaluated
     "flow_grpo_options": [
         "algorithm.adv_norm=none",
