@@ -18,6 +18,7 @@ RUNS = {
     # the sliding SDE window with DPM-Solver++(2M) ODE steps elsewhere
     "mix_grpo_flash": ["algorithm=mix_grpo_flash", "seed=0"],
     "diffusion_nft": ["algorithm=diffusion_nft", "seed=1"],
+    "awm": ["algorithm=awm", "seed=0"],
     # Dr.GRPO's advantages, the KL to the base on the velocity, and an EMA that is evaluated
     "flow_grpo_options": [
         "algorithm.adv_norm=none",
