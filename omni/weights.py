@@ -43,6 +43,11 @@ def add_lora_adapter(transformer, lora: LoraConfig) -> None:
         param.data = param.data.float()
 
 
+# The snapshot adapter that, when an algorithm keeps one, is the reference policy
+# (omni/workers/actor_rollout.py).
+REFERENCE_SNAPSHOT = "reference_snapshot"
+
+
 def add_snapshot_adapter(transformer, lora: LoraConfig, name: str) -> None:
     """A frozen LoRA adapter `name` beside the trained one, with the trained adapter's
     configuration and a copy of its current weights; the trained adapter stays the active,

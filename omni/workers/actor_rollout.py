@@ -42,7 +42,13 @@ from omni.models.base import Conditioning
 from omni.rollout import build_engine, shares_actor
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.parity import ParityGate
-from omni.weights import add_lora_adapter, add_snapshot_adapter, lora_module_names, module_lora_names
+from omni.weights import (
+    REFERENCE_SNAPSHOT,
+    add_lora_adapter,
+    add_snapshot_adapter,
+    lora_module_names,
+    module_lora_names,
+)
 from omni.workers.sharding import average_gradients, clip_grad_norm, wrap_fsdp
 
 
@@ -59,10 +65,6 @@ def adapters_disabled(module: torch.nn.Module):
     finally:
         for layer in layers:
             layer.enable_adapters(True)
-
-
-# The snapshot adapter that, when an algorithm asks for it, is the reference policy.
-REFERENCE_SNAPSHOT = "reference_snapshot"
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ import torch
 
 from omni.algorithms import flow_grpo
 from omni.validation import validate
-from omni.workers.actor_rollout import REFERENCE_SNAPSHOT
+from omni.weights import REFERENCE_SNAPSHOT
 from tests.conftest import compose_config
 from tests.workers.test_actor_rollout import randomise_lora, rescore, rollout
 
@@ -93,3 +93,42 @@ def test_snapshot_names_are_checked(snapshot_worker):
     lora.pop(next(iter(lora)))
     with pytest.raises(KeyError, match="does not match snapshot"):
         worker.load_snapshot(OTHER, lora)
+
+
+def reference_kl(worker, batch, seed, first=0, total=0):
+    """An 'update' that only measures: the mean KL of the shard's transitions to the reference."""
+    start, stop = batch.rollout.options.sde_steps
+    n = len(batch)
+    samples, steps = torch.arange(n).repeat_interleave(stop - start), torch.arange(start, stop).repeat(n)
+    with torch.no_grad():
+        _, kl = flow_grpo.score_transitions(worker, batch.rollout, samples, steps, True)
+    return {"kl": float(kl.mean())}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fsdp", [1, 2])
+def test_a_reset_reference_is_the_policy_under_fsdp(fsdp, tiny_cache, tmp_path):
+    """Two Ray workers sharding the transformer and both adapters: after an update the KL to
+    the reference is positive; once the policy's whole LoRA is loaded into the reference
+    snapshot it is 0 on every shard."""
+    from omni.trainer import model_path
+    from omni.workers import build_actor_rollout
+    from tests.conftest import one_process_group_at_a_time, training_options
+
+    overrides = [f"model.cache_dir={tiny_cache}", "trainer.n_workers=2", f"model.fsdp.version={fsdp}",
+                 "trainer.batch_size=8", "algorithm.group_size=4", "rollout.num_steps=4",
+                 "algorithm.kl_coef=0.1"]  # fmt: skip
+    cfg = validate(compose_config(overrides, tmp_path))
+    with one_process_group_at_a_time():
+        group = build_actor_rollout(cfg, model_path(cfg.model), True, (REFERENCE_SNAPSHOT,))
+        try:
+            prompts = ["a red cat"] * 4 + ["a blue dog"] * 4
+            batch = group.generate(prompts, list(range(8)), training_options(cfg, 0))
+            grpo = flow_grpo.GRPOBatch(batch, torch.linspace(-1, 1, 8))
+            assert group.apply_update(reference_kl, grpo, 0)["kl"] == 0
+            group.apply_update(flow_grpo.update, grpo, 0)
+            assert group.apply_update(reference_kl, grpo, 0)["kl"] > 0
+            group.load_snapshot(REFERENCE_SNAPSHOT, group.lora_state_dict())
+            assert group.apply_update(reference_kl, grpo, 0)["kl"] == 0
+        finally:
+            group.shutdown()
