@@ -123,7 +123,8 @@ class Trainer:
         if self.gold is not None:
             self.gold.setup()
         keep_reference = self.algorithm.uses_reference(self.cfg)
-        self.ctx.worker = build_actor_rollout(self.cfg, model_path(self.cfg.model), keep_reference)
+        snapshots = self.algorithm.snapshot_adapters(self.cfg)
+        self.ctx.worker = build_actor_rollout(self.cfg, model_path(self.cfg.model), keep_reference, snapshots)
         self.algorithm.setup()
         self.ctx.logger = MetricsLogger(self.cfg, self.output_dir)
         if self.resume_dir is not None:

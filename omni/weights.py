@@ -8,6 +8,7 @@ name (`...to_q.lora_A.weight`). Loading is strict: a missing or unexpected name 
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Dict, List
 
 import torch
@@ -40,6 +41,28 @@ def add_lora_adapter(transformer, lora: LoraConfig) -> None:
     transformer.add_adapter(peft_lora_config(lora), adapter_name=lora.adapter_name)
     for param in lora_tensors(transformer, lora.adapter_name).values():
         param.data = param.data.float()
+
+
+# The snapshot adapter that, when an algorithm keeps one, is the reference policy
+# (omni/workers/actor_rollout.py).
+REFERENCE_SNAPSHOT = "reference_snapshot"
+
+
+def add_snapshot_adapter(transformer, lora: LoraConfig, name: str) -> None:
+    """A frozen LoRA adapter `name` beside the trained one, with the trained adapter's
+    configuration and a copy of its current weights; the trained adapter stays the active,
+    trainable one. Added before FSDP wraps the transformer, as the trained adapter is."""
+    if name == lora.adapter_name:
+        raise ValueError(
+            f"a snapshot adapter cannot take the trained adapter's name {name!r} (model.lora.adapter_name)"
+        )
+    with warnings.catch_warnings():  # PEFT warns that a second adapter is one: it is meant to be
+        warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+        transformer.add_adapter(peft_lora_config(lora), adapter_name=name)  # now the active one
+    trained = lora_tensors(transformer, lora.adapter_name)
+    for key, param in lora_tensors(transformer, name).items():
+        param.data = trained[key].detach().clone().float()
+    transformer.set_adapter(lora.adapter_name)  # active and trainable again; the snapshot frozen
 
 
 def is_lora_name(name: str) -> bool:

@@ -39,6 +39,8 @@ VARIANTS: Dict[str, List[str]] = {
     "mix_grpo_flash": ["algorithm=mix_grpo_flash"],
     "diffusion_nft": ["algorithm=diffusion_nft"],
     "dgpo": ["algorithm=dgpo"],
+    "awm": ["algorithm=awm"],
+    "gardo": ["algorithm=gardo"],
     "flow_grpo sde_type=cps": ["rollout.sde_type=cps"],
     "grpo_guard sde_type=cps": ["algorithm=grpo_guard", "rollout.sde_type=cps"],
     "flow_grpo adv_norm=global": ["algorithm.adv_norm=global"],

@@ -3,7 +3,8 @@
 An algorithm lives in `omni/algorithms/<name>.py` (`algorithm.name`) and defines
 `ALGORITHM`, an `Algorithm` subclass. The driver side: `check_config` (cross-group rules,
 before any model loads), `uses_reference` (whether it scores under the reference), the
-constructor (reads its data, before any model loads), `setup` (once the worker exists),
+`snapshot_adapters` (the frozen LoRA adapters beside the trained one that it scores under),
+the constructor (reads its data, before any model loads), `setup` (once the worker exists),
 `step` (one training step -> metrics), `evaluate` (held-out metrics of its own),
 `state_dict` / `load_state_dict` (what a checkpoint keeps, such as a data position) and
 `close`. The worker side: module-level functions `update(worker, batch, seed, first,
@@ -42,6 +43,13 @@ class Algorithm:
         """Whether the update scores under the reference (`worker.velocity(..., reference=True)`):
         with full fine-tuning the worker then keeps a frozen copy of the initial transformer."""
         return False
+
+    @classmethod
+    def snapshot_adapters(cls, cfg) -> Tuple[str, ...]:
+        """The frozen adapters the update scores under besides the reference (an EMA of the
+        policy, a reference that moves: `omni.workers.actor_rollout`'s snapshots), added when
+        the worker is built; the step sets them with `worker.load_snapshot`."""
+        return ()
 
     def setup(self) -> None:
         """Work that needs the worker (e.g. encoding a data set once)."""

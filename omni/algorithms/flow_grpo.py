@@ -25,7 +25,7 @@ import torch
 
 from omni import seeding
 from omni.algorithms.advantages import clip_advantages
-from omni.algorithms.base import Algorithm, grouped_rollout, sync_engine
+from omni.algorithms.base import Algorithm, ScoredRollout, grouped_rollout, sync_engine
 from omni.config.algorithm import AdvantageNorm, AlgorithmConfig, CFGGradient, KLType
 from omni.config.errors import require
 from omni.context import update_seed
@@ -91,12 +91,15 @@ class GRPOBatch:
 
     rollout: RolloutBatch
     advantages: torch.Tensor
+    # Per sample, the weight of its KL to the reference (GARDO's gate); None: 1 for every sample.
+    kl_weights: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return len(self.rollout)
 
     def select(self, rows: slice) -> "GRPOBatch":
-        return GRPOBatch(self.rollout.select(rows, with_images=False), self.advantages[rows].clone())
+        kl_weights = None if self.kl_weights is None else self.kl_weights[rows].clone()
+        return GRPOBatch(self.rollout.select(rows, with_images=False), self.advantages[rows].clone(), kl_weights)
 
 
 def minibatch_rows(n_samples: int, sde_steps, num_minibatches: int, seed: int, first_sample: int = 0):
@@ -223,8 +226,9 @@ def minibatch_step(
     worker, batch: GRPOBatch, samples, steps, policy_loss=clipped_loss, old_means=None, rollout_uncond: bool = False
 ) -> Dict[str, float]:
     """One optimizer step on the transitions (samples, steps), in micro-batches; the loss is
-    `policy_loss(policy steps, old steps, algorithm config)` plus the KL penalty.
-    `rollout_uncond`: see `score_steps`."""
+    `policy_loss(policy steps, old steps, algorithm config)` plus the KL penalty, each
+    transition's KL weighted by its sample's `batch.kl_weights` when there are some (their
+    mean is then the `kl_weighted` metric). `rollout_uncond`: see `score_steps`."""
     algo = worker.cfg.algorithm
     sums: Dict[str, torch.Tensor] = {}  # tensors: no device sync per micro-batch
     worker.zero_grad()
@@ -243,7 +247,9 @@ def minibatch_step(
             None if old_means is None else old_means[s, j - start],
         )
         main, extras = policy_loss(policy, old, algo)
-        loss = main + algo.kl_coef * kl.mean()
+        if batch.kl_weights is not None:
+            extras["kl_weighted"] = (kl * batch.kl_weights[s].to(device)).mean()
+        loss = main + algo.kl_coef * extras.get("kl_weighted", kl.mean())
         weight = len(rows) / len(samples)  # the mean over this worker's rows; FSDP averages the workers
         worker.backward(loss * weight, sync=i == len(chunks) - 1)
         for key, value in {"loss": loss, "kl": kl.mean(), **extras}.items():
@@ -317,19 +323,24 @@ class FlowGRPO(Algorithm):
         """Step `step`'s SDE steps [start, stop): all, or Flow-GRPO-Fast's random window."""
         return self.ctx.sde_window(step, self.cfg.algorithm.sde_window_size, self.cfg.algorithm.sde_window_range)
 
+    def update_batch(self, rollout: ScoredRollout) -> Tuple[GRPOBatch, Dict[str, float]]:
+        """What the update trains on: the rollout with its clipped group advantages (and
+        metrics of how they were made, per reward under reward.aggregation)."""
+        algo = self.cfg.algorithm
+        advantages, metrics = rollout.advantages(algo.group_size, self.cfg.reward.aggregation, algo.adv_norm)
+        return GRPOBatch(rollout.batch, clip_advantages(advantages, algo.adv_clip_max)), metrics
+
     def step(self, step: int) -> Dict[str, float]:
         algo, worker = self.cfg.algorithm, self.ctx.worker
         rollout = grouped_rollout(self.ctx, step, algo.group_size, self.window(step))
-        advantages, advantage_metrics = rollout.advantages(algo.group_size, self.cfg.reward.aggregation, algo.adv_norm)
-        advantages = clip_advantages(advantages, algo.adv_clip_max)
+        batch, shaping = self.update_batch(rollout)
         tick = time.perf_counter()
-        metrics = worker.apply_update(
-            self.update, GRPOBatch(rollout.batch, advantages), update_seed(self.cfg.seed, step)
-        )
+        metrics = {**worker.apply_update(self.update, batch, update_seed(self.cfg.seed, step)), **shaping}
         timings = {**rollout.timings, "time/update": time.perf_counter() - tick}
         timings.update(sync_engine(worker))
-        train = {f"train/{k}": v for k, v in metrics.items()}
-        return {**rollout.reward_metrics(), **advantage_metrics, **train, **timings}
+        # the advantages' own metrics (reward/<name>/...) keep their names; the rest are the update's
+        train = {k if k.startswith("reward/") else f"train/{k}": v for k, v in metrics.items()}
+        return {**rollout.reward_metrics(), **train, **timings}
 
 
 def check_policy_config(cfg) -> None:

@@ -8,7 +8,7 @@ process (no Ray, so the default CPU run starts in seconds); more start a Ray wor
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from omni.workers.errors import ResourcesUnavailable, WorkerFailure
 
@@ -18,17 +18,20 @@ if TYPE_CHECKING:
 __all__ = ["ResourcesUnavailable", "WorkerFailure", "build_actor_rollout"]
 
 
-def build_actor_rollout(cfg, model_path: str, keep_reference: bool = False) -> ActorRollout:
+def build_actor_rollout(
+    cfg, model_path: str, keep_reference: bool = False, snapshots: Sequence[str] = ()
+) -> ActorRollout:
     """A set-up `ActorRolloutWorker` (n_workers=1) or `ActorRolloutGroup` (n_workers > 1);
-    `keep_reference`: the algorithm scores under the reference (see the worker)."""
+    `keep_reference`: the algorithm scores under the reference; `snapshots`: the frozen
+    adapters it scores under (see the worker)."""
     if cfg.trainer.n_workers > 1:
         from omni.workers.ray_group import ActorRolloutGroup
 
-        return ActorRolloutGroup(cfg, model_path, keep_reference)
+        return ActorRolloutGroup(cfg, model_path, keep_reference, snapshots)
     from omni.workers.actor_rollout import ActorRolloutWorker
 
     check_local_gpus(cfg.trainer)
-    worker = ActorRolloutWorker(cfg, model_path, keep_reference=keep_reference)
+    worker = ActorRolloutWorker(cfg, model_path, keep_reference=keep_reference, snapshots=snapshots)
     worker.setup()
     return worker
 

@@ -11,6 +11,17 @@ What trains is `model.lora`: a LoRA (the reference is the same transformer with 
 disabled; a sync sends the LoRA), or, with `model.lora=null`, the whole transformer (the
 reference is a frozen copy of the initial transformer, kept only when the algorithm scores
 under it; a sync sends every weight).
+
+Snapshots: an algorithm that scores under other fixed policies than the reference (an EMA of
+the policy, a reference that moves) names them (`Algorithm.snapshot_adapters`); each is a
+second, frozen LoRA adapter on the same transformer, with the trained adapter's configuration,
+added before FSDP wraps it, so it shards like the trained one and costs a LoRA's memory, not a
+transformer's. The driver sets one from whole LoRA tensors (`load_snapshot`, the tensors
+`lora_state_dict` returns: through `set_model_state_dict`, the same path as `load_adapter`,
+for no FSDP, FSDP1 and FSDP2); the update scores under it with `velocity(..., snapshot=name)`.
+A snapshot named `REFERENCE_SNAPSHOT` is the reference itself (`reference_model`): it starts as
+a copy of the untrained adapter (B = 0, so exactly the base, as with the LoRA disabled), and
+loading the policy's LoRA into it moves the reference to the current policy (GARDO's reset).
 """
 
 from __future__ import annotations
@@ -31,7 +42,13 @@ from omni.models.base import Conditioning
 from omni.rollout import build_engine, shares_actor
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.parity import ParityGate
-from omni.weights import add_lora_adapter, lora_module_names, module_lora_names
+from omni.weights import (
+    REFERENCE_SNAPSHOT,
+    add_lora_adapter,
+    add_snapshot_adapter,
+    lora_module_names,
+    module_lora_names,
+)
 from omni.workers.sharding import average_gradients, clip_grad_norm, wrap_fsdp
 
 
@@ -50,6 +67,22 @@ def adapters_disabled(module: torch.nn.Module):
             layer.enable_adapters(True)
 
 
+@contextlib.contextmanager
+def snapshot_active(module: torch.nn.Module, name: str, trained: str):
+    """The transformer with snapshot adapter `name` in place of the trained adapter `trained`;
+    every adapter frozen meanwhile, the trained one active and trainable again after."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.set_adapter(name, inference_mode=True)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.set_adapter(trained)
+
+
 class ActorRolloutWorker:
     def __init__(
         self,
@@ -59,11 +92,14 @@ class ActorRolloutWorker:
         world_size: int = 1,
         local_rank: int = 0,
         keep_reference: bool = False,
+        snapshots: Sequence[str] = (),
     ):
         """`rank` and `world_size` place the worker in the actor's process group;
         `local_rank` is its device index on its machine. `keep_reference`: the algorithm
         scores under the reference (`Algorithm.uses_reference`); with full fine-tuning the
-        worker then keeps a frozen copy of the initial transformer (a LoRA run needs none)."""
+        worker then keeps a frozen copy of the initial transformer (a LoRA run needs none).
+        `snapshots`: the frozen adapters the algorithm scores under (`Algorithm.snapshot_adapters`,
+        see the module docstring); a LoRA run only."""
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.device = pick_device(cfg.trainer.device, local_rank)
@@ -73,6 +109,9 @@ class ActorRolloutWorker:
         self.lora_cfg = cfg.model.lora
         self.full_finetuning = self.lora_cfg is None
         self.keep_reference = keep_reference
+        self.snapshots = tuple(snapshots)
+        if self.snapshots and self.full_finetuning:
+            raise ValueError(f"snapshot adapters {list(self.snapshots)} need a LoRA; model.lora=null trains no adapter")
         self.reference = None  # the frozen initial transformer (full fine-tuning with a reference)
 
     # ----------------------------------------------------------------- set-up
@@ -92,6 +131,8 @@ class ActorRolloutWorker:
         else:
             actor.requires_grad_(False)
             add_lora_adapter(actor, self.lora_cfg)
+            for name in self.snapshots:
+                add_snapshot_adapter(actor, self.lora_cfg, name)
         if self.cfg.model.gradient_checkpointing:
             actor.enable_gradient_checkpointing()  # per block, before FSDP wraps the blocks
         self.actor = wrap_fsdp(actor, fsdp_version, prefixes, self.device, self.dtype)
@@ -187,6 +228,23 @@ class ActorRolloutWorker:
         if sync:
             self.sync_weights()
 
+    def load_snapshot(self, name: str, lora: Dict[str, torch.Tensor]) -> None:
+        """Set snapshot adapter `name` to `lora` (PEFT names, as `lora_state_dict` returns
+        them); the engine is not synced (it samples with the trained adapter)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        if name not in self.snapshots:
+            raise KeyError(f"no snapshot adapter {name!r}: this worker keeps {list(self.snapshots)}")
+        expected = set(self.lora_state_dict())
+        if set(lora) != expected:
+            raise KeyError(
+                f"LoRA does not match snapshot '{name}': missing {sorted(expected - set(lora))[:5]}, "
+                f"unexpected {sorted(set(lora) - expected)[:5]}"
+            )
+        set_model_state_dict(
+            self.actor, module_lora_names(lora, name), options=StateDictOptions(full_state_dict=True, strict=False)
+        )
+
     def load_transformer(self, weights: Dict[str, torch.Tensor]) -> None:
         """Full fine-tuning: set every weight of the actor (plain names, as
         `trained_state_dict` returns them); strict, so a missing or stray name is an error."""
@@ -233,14 +291,18 @@ class ActorRolloutWorker:
         reference: bool = False,
         uncond_grad: bool = True,
         uncond: Optional[torch.Tensor] = None,
+        snapshot: Optional[str] = None,
     ) -> torch.Tensor:
         """The actor's velocity (with gradients; under CFG through the unconditional pass
         too unless `uncond_grad=False`, or with the unconditional velocity `uncond` given:
-        only the conditional pass runs), or the reference's (`reference_model`, no
-        gradients), in fp32; inputs already on the device (`to_device`), cast here to the
-        transformer's compute dtype."""
+        only the conditional pass runs), the reference's (`reference_model`, no gradients)
+        or snapshot adapter `snapshot`'s (no gradients), in fp32; inputs already on the
+        device (`to_device`), cast here to the transformer's compute dtype."""
         latents, sigmas = latents.to(self.dtype), sigmas.to(self.device)
         cond = cond.apply(lambda t: t.to(self.dtype))
+        if snapshot is not None:
+            with torch.no_grad(), self.snapshot_model(snapshot) as model:
+                return self.family.predict_velocity(model, latents, sigmas, cond, guidance_scale)
         if uncond is not None and not reference:
             return self.family.guided_velocity(self.actor, latents, sigmas, cond, guidance_scale, uncond=uncond)[0]
         if not reference:
@@ -251,7 +313,12 @@ class ActorRolloutWorker:
     @contextlib.contextmanager
     def reference_model(self):
         """The reference policy, the one place it is chosen: the actor with its LoRA disabled,
-        or with full fine-tuning the frozen copy of the initial transformer."""
+        the actor with its reference snapshot (`REFERENCE_SNAPSHOT`) when the algorithm keeps
+        one, or with full fine-tuning the frozen copy of the initial transformer."""
+        if REFERENCE_SNAPSHOT in self.snapshots:
+            with self.snapshot_model(REFERENCE_SNAPSHOT) as model:
+                yield model
+            return
         if not self.full_finetuning:
             with adapters_disabled(self.actor):
                 yield self.actor
@@ -262,6 +329,14 @@ class ActorRolloutWorker:
                 "transformer: the algorithm's `uses_reference` must say it scores under the reference"
             )
         yield self.reference
+
+    @contextlib.contextmanager
+    def snapshot_model(self, name: str):
+        """The actor with snapshot adapter `name` in place of the trained one."""
+        if name not in self.snapshots:
+            raise KeyError(f"no snapshot adapter {name!r}: this worker keeps {list(self.snapshots)}")
+        with snapshot_active(self.actor, name, self.lora_cfg.adapter_name):
+            yield self.actor
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -40,10 +40,12 @@ SHUTDOWN_TIMEOUT_S = 60
 class RayActorRolloutWorker(Worker):
     """One `ActorRolloutWorker` in a Ray actor; rank and world size come from verl's group."""
 
-    def __init__(self, cfg, model_path: str, keep_reference: bool = False):
+    def __init__(self, cfg, model_path: str, keep_reference: bool = False, snapshots: Sequence[str] = ()):
         super().__init__()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # Ray shows each actor its own GPU only
-        self.worker = ActorRolloutWorker(cfg, model_path, self.rank, self.world_size, local_rank, keep_reference)
+        self.worker = ActorRolloutWorker(
+            cfg, model_path, self.rank, self.world_size, local_rank, keep_reference, snapshots
+        )
         self.updates = 0
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
@@ -96,6 +98,10 @@ class RayActorRolloutWorker(Worker):
     def load_adapter(self, lora: Dict[str, torch.Tensor]) -> None:
         self.worker.load_adapter(lora)
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def load_snapshot(self, name: str, lora: Dict[str, torch.Tensor]) -> None:
+        self.worker.load_snapshot(name, lora)
+
     @register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode=Execute.RANK_ZERO, blocking=False)
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         return self.worker.encode_images(images)
@@ -112,9 +118,9 @@ class RayActorRolloutWorker(Worker):
 class ActorRolloutGroup:
     """`trainer.n_workers` workers on Ray, with the methods of one `ActorRolloutWorker`."""
 
-    def __init__(self, cfg, model_path: str, keep_reference: bool = False):
+    def __init__(self, cfg, model_path: str, keep_reference: bool = False, snapshots: Sequence[str] = ()):
         self.cfg = cfg
-        self.keep_reference = keep_reference
+        self.keep_reference, self.snapshots = keep_reference, tuple(snapshots)
         self.workers: RayWorkerGroup | None = None
         self.placement_groups: list = []
         self.connected = ray_cluster.connect(cfg.trainer.ray_address)
@@ -139,7 +145,9 @@ class ActorRolloutGroup:
         cfg = copy.deepcopy(self.cfg)
         if not layout.use_gpu:
             cfg.trainer.device = "cpu"  # "auto" must not pick a GPU that Ray did not reserve
-        worker_class = RayClassWithInitArgs(ray.remote(RayActorRolloutWorker), cfg, model_path, self.keep_reference)
+        worker_class = RayClassWithInitArgs(
+            ray.remote(RayActorRolloutWorker), cfg, model_path, self.keep_reference, self.snapshots
+        )
         crash_hook = {CRASH_HOOK_ENV: os.environ[CRASH_HOOK_ENV]} if CRASH_HOOK_ENV in os.environ else {}
         device = "cuda" if layout.use_gpu else "cpu"
         return RayWorkerGroup(pool, worker_class, name_prefix="omni_", device_name=device, worker_env=crash_hook)
@@ -249,6 +257,9 @@ class ActorRolloutGroup:
 
     def load_adapter(self, lora: Dict[str, torch.Tensor]) -> None:
         self._gather("load_adapter", self.workers.load_adapter(ray.put(lora)))
+
+    def load_snapshot(self, name: str, lora: Dict[str, torch.Tensor]) -> None:
+        self._gather("load_snapshot", self.workers.load_snapshot(name, ray.put(lora)))
 
     # ----------------------------------------------------------------- shutdown
     def _kill_workers(self) -> None:

@@ -94,6 +94,10 @@ GOOD = [
     ["algorithm=grpo_guard", "rollout.sde_type=cps", "trainer.ema_decay=0.95"],
     ["algorithm=flow_dppo", "rollout.sde_type=cps", "algorithm.kl_coef=0.01"],
     ["algorithm=diffusion_nft", "algorithm.adv_norm=none"],
+    # AWM on SDE samples of any stochastic step; full fine-tuning without its EMA snapshot
+    ["algorithm=awm", "algorithm.sampler=sde", "rollout.sde_type=cps"],
+    ["algorithm=awm", "model.lora=null", "algorithm.ema_kl_coef=0"],
+    ["algorithm=gardo", "rollout.sde_type=cps", "algorithm.sde_window_size=2", "algorithm.gate_fraction=1"],
     # DPM-Solver++(2M) for ODE rollouts, and for evaluation under SDE-only algorithms
     ["algorithm=diffusion_nft", "rollout.ode_solver=dpm2"],
     ["algorithm=flow_grpo", "rollout.ode_solver=dpm2", "rollout.sde_type=cps"],

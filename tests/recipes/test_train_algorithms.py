@@ -19,6 +19,9 @@ RUNS = {
     "mix_grpo_flash": ["algorithm=mix_grpo_flash", "seed=0"],
     "diffusion_nft": ["algorithm=diffusion_nft", "seed=1"],
     "dgpo": ["algorithm=dgpo", "seed=1"],
+    "awm": ["algorithm=awm", "seed=0"],
+    # the gated KL, a reference reset and the diversity bonus
+    "gardo": ["algorithm=gardo", "algorithm.reset_every=5", "seed=0"],
     # Dr.GRPO's advantages, the KL to the base on the velocity, and an EMA that is evaluated
     "flow_grpo_options": [
         "algorithm.adv_norm=none",

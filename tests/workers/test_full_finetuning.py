@@ -53,6 +53,7 @@ def test_algorithms_say_whether_they_score_under_the_reference(tiny_cache):
     assert not uses() and uses("algorithm.kl_coef=0.1") and uses("algorithm=grpo_guard", "algorithm.kl_coef=0.1")
     assert uses("algorithm=online_dpo") and uses("algorithm=dpo") and not uses("algorithm=diffusion_nft")
     assert uses("algorithm=dgpo")
+    assert uses("algorithm=awm") and not uses("algorithm=awm", "algorithm.kl_coef=0") and uses("algorithm=gardo")
 
 
 def test_an_update_trains_every_weight_and_the_reference_stays_initial(tiny_cache, tmp_path):
