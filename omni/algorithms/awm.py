@@ -51,7 +51,7 @@ from omni.algorithms.advantages import clip_advantages
 from omni.algorithms.base import Algorithm, grouped_rollout, sync_engine
 from omni.algorithms.dpo import SIGMA_EPS, noisy_latents, velocity_target
 from omni.algorithms.flow_grpo import check_groups, velocity_kl
-from omni.config.algorithm import AdvantageNorm, AlgorithmConfig
+from omni.config.algorithm import GroupAdvantageConfig
 from omni.config.errors import require
 from omni.config.rollout import SDEType
 from omni.context import update_seed
@@ -78,13 +78,10 @@ class RolloutSampler(str, Enum):
 
 
 @dataclass
-class AWMConfig(AlgorithmConfig):
-    """AWM: advantage-weighted flow matching on the policy's own samples."""
+class AWMConfig(GroupAdvantageConfig):
+    """AWM: advantage-weighted flow matching on the policy's own samples (the clipped
+    advantages divided by adv_clip_max are the weights, in [-1, 1])."""
 
-    group_size: int = 8
-    adv_norm: AdvantageNorm = AdvantageNorm["group"]
-    # Advantages are clipped to +-adv_clip_max, then divided by it: weights in [-1, 1].
-    adv_clip_max: float = 5.0
     # PPO's clip of the ratio exp(e_old - e) of the matching errors.
     clip_range: float = 1.0
     # Noise levels per clean latent, drawn stratified from this law.

@@ -49,7 +49,7 @@ from omni.algorithms.advantages import clip_advantages
 from omni.algorithms.base import Algorithm, grouped_rollout, sync_engine
 from omni.algorithms.dpo import REFERENCE_CHUNK, noisy_latents, per_sample_mse, sample_sigmas, velocity_target
 from omni.algorithms.flow_grpo import check_groups
-from omni.config.algorithm import AdvantageNorm, AlgorithmConfig, SigmaSampling
+from omni.config.algorithm import GroupAdvantageConfig, SigmaSampling
 from omni.config.errors import require
 from omni.config.rollout import SDEType
 from omni.context import update_seed
@@ -89,13 +89,9 @@ def dgpo_loss(
 
 # ----------------------------------------------------------------- the update, on a worker
 @dataclass
-class DGPOConfig(AlgorithmConfig):
+class DGPOConfig(GroupAdvantageConfig):
     """DGPO: group preference optimisation on ODE rollouts."""
 
-    # Images sampled per prompt; advantages are normalised within each group.
-    group_size: int = 8
-    adv_norm: AdvantageNorm = AdvantageNorm["group"]
-    adv_clip_max: float = 5.0
     # Temperature of the group preference (DGPO's beta: the pull towards the reference).
     beta: float = 100.0
     # Noise levels each group is trained at (each with one noise shared by the group), and how drawn.

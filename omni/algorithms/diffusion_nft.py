@@ -36,7 +36,7 @@ from omni.algorithms.advantages import clip_advantages
 from omni.algorithms.base import Algorithm, grouped_rollout, sync_engine
 from omni.algorithms.dpo import noisy_latents, sample_sigmas
 from omni.algorithms.flow_grpo import check_groups
-from omni.config.algorithm import AdvantageNorm, AlgorithmConfig, SigmaSampling
+from omni.config.algorithm import GroupAdvantageConfig, SigmaSampling
 from omni.config.errors import require
 from omni.config.rollout import SDEType
 from omni.context import update_seed
@@ -78,13 +78,10 @@ def nft_loss(velocity, old_velocity, noisy, sigmas, clean, r, beta: float, adv_c
 
 # ----------------------------------------------------------------- the update, on a worker
 @dataclass
-class DiffusionNFTConfig(AlgorithmConfig):
-    """DiffusionNFT: forward-process training on ODE rollouts."""
+class DiffusionNFTConfig(GroupAdvantageConfig):
+    """DiffusionNFT: forward-process training on ODE rollouts (the clipped advantages are
+    mapped to optimality in [0, 1])."""
 
-    group_size: int = 8
-    adv_norm: AdvantageNorm = AdvantageNorm["group"]
-    # Advantages are clipped to +-adv_clip_max, then mapped to optimality in [0, 1].
-    adv_clip_max: float = 5.0
     # How far the implicit policies reach from the rollout policy.
     beta: float = 1.0
     # Noise levels drawn per clean latent, and how.

@@ -26,7 +26,7 @@ import torch
 from omni import seeding
 from omni.algorithms.advantages import clip_advantages
 from omni.algorithms.base import Algorithm, ScoredRollout, grouped_rollout, sync_engine
-from omni.config.algorithm import AdvantageNorm, AlgorithmConfig, CFGGradient, KLType
+from omni.config.algorithm import CFGGradient, GroupAdvantageConfig, KLType
 from omni.config.errors import require
 from omni.context import update_seed
 from omni.models import get_family
@@ -35,14 +35,9 @@ from omni.rollout.sde import noisy_steps, sde_step
 
 
 @dataclass
-class GroupPolicyConfig(AlgorithmConfig):
+class GroupPolicyConfig(GroupAdvantageConfig):
     """What every group-advantage, per-denoising-step policy algorithm shares."""
 
-    # Images sampled per prompt; advantages are normalised within each group.
-    group_size: int = 8
-    adv_clip_max: float = 5.0
-    # How advantages are scaled after subtracting the group mean (see AdvantageNorm).
-    adv_norm: AdvantageNorm = AdvantageNorm["group"]
     # Weight of the KL to the reference (the same transformer, adapters disabled).
     kl_coef: float = 0.0
     # What the KL compares (see KLType).

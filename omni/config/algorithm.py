@@ -40,3 +40,15 @@ class CFGGradient(str, Enum):
 class AlgorithmConfig:
     # A name registered in omni/algorithms/ (omni.algorithms.ALGORITHMS).
     name: str = MISSING
+
+
+@dataclass
+class GroupAdvantageConfig(AlgorithmConfig):
+    """What every algorithm that samples a group per prompt and trains on group advantages shares."""
+
+    # Images sampled per prompt; advantages are normalised within each group.
+    group_size: int = 8
+    # How advantages are scaled after subtracting the group mean (see AdvantageNorm).
+    adv_norm: AdvantageNorm = AdvantageNorm["group"]
+    # Advantages are clipped to +-adv_clip_max (each algorithm says how it then reads them).
+    adv_clip_max: float = 5.0
