@@ -284,7 +284,7 @@ class Trainer:
             if not self.respond(found, trainer.steps):
                 break
         saved = self.save_checkpoint(trainer.steps)
-        self.write_results(saved, metrics, self.write_eval_summary(initial.valid(), final.valid()))
+        self.write_results(saved, metrics, self.write_eval_summary(initial, final))
         before, after = initial.mean(), final.mean()
         logger.info("eval reward (held-out prompts and seeds): before %.4f -> after %.4f", before, after)
         return after
@@ -338,11 +338,18 @@ class Trainer:
                 f"(trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}); the weights were not changed by them"
             )
 
-    def write_eval_summary(self, before: torch.Tensor, after: torch.Tensor) -> dict:
-        """Per-image held-out rewards before and after training (same prompts and seeds)."""
+    def write_eval_summary(self, initial: EvalResult, final: EvalResult) -> dict:
+        """Per-image held-out rewards before and after training (same prompts and seeds): the
+        training reward's finite values, and under `scores` every score image by image (None
+        where not finite), so a paired test can use any of them (scene_geneval/accuracy)."""
+        as_list = lambda values: [v if math.isfinite(v) else None for v in values.tolist()]  # noqa: E731
         summary = {
-            "before": before.tolist(),
-            "after": after.tolist(),
+            "before": initial.valid().tolist(),
+            "after": final.valid().tolist(),
+            "scores": {
+                name: {"before": as_list(initial.scores[name]), "after": as_list(final.scores[name])}
+                for name in initial.scores
+            },
             "start_step": self.start_step,
             "steps": self.cfg.trainer.steps,
         }

@@ -1,8 +1,11 @@
-"""Compare the algorithms on one task: the tiny SD3 and the brightness reward, the same
-steps, batch and seeds for each, trained with the real CLI (`recipes/train.py`).
+"""Compare the algorithms on one task, the same steps, batch and seeds for each, trained with
+the real CLI (`recipes/train.py`). Tasks (`--task`): `brightness`, the tiny random SD3 scored
+by brightness; `scenes`, the pretrained micro SD3 on the compositional scenes, scored by
+held-out GenEval-style accuracy (`scene_geneval/accuracy`, 300 prompts, one image each).
 
     python scripts/compare_algorithms.py --out comparison [--seeds 0 1] [--steps 50] [--jobs 2]
     python scripts/compare_algorithms.py --out comparison --variants flow_grpo grpo_guard
+    python scripts/compare_algorithms.py --out scenes --task scenes --variants diffusion_nft flow_grpo --steps 200
 
 Each (variant, seed) is one run in `<out>/runs/<variant>_seed<seed>`; a run already finished
 there is read, not repeated. The held-out reward (ODE samples of held-out prompts and seeds,
@@ -24,7 +27,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -54,6 +57,11 @@ VARIANTS: Dict[str, List[str]] = {
     "flow_grpo cfg=4.5": ["rollout.guidance_scale=4.5"],
     "flow_grpo cfg=4.5 cfg_gradient=conditional": ["rollout.guidance_scale=4.5", "algorithm.cfg_gradient=conditional"],
 }
+# task -> (overrides of every run, the held-out score compared: a key of eval.json's `scores`)
+TASKS: Dict[str, tuple] = {
+    "brightness": ([], "reward"),
+    "scenes": (["model=micro", "data=scenes", "reward=scene_geneval", "eval=scenes"], "scene_geneval/accuracy"),
+}
 STEP_LINE = re.compile(r"^step (\d+): (.*)$")
 
 
@@ -61,9 +69,15 @@ def slug(variant: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", variant).strip("_")
 
 
-def paired_gain(summary: dict) -> Dict[str, float]:
-    gain = torch.tensor(summary["after"]) - torch.tensor(summary["before"])
-    return {"gain": float(gain.mean()), "t": float(gain.mean() / (gain.std() / len(gain) ** 0.5)), "n": len(gain)}
+def paired_gain(summary: dict, score: str = "reward") -> Dict[str, float]:
+    """The mean held-out gain of `score` (same prompts and seeds before and after) and its
+    paired t; images whose score was not finite either time are left out."""
+    pairs = [(b, a) for b, a in zip(summary["scores"][score]["before"], summary["scores"][score]["after"])]
+    pairs = [(b, a) for b, a in pairs if b is not None and a is not None]
+    gain = torch.tensor([a - b for b, a in pairs], dtype=torch.float64)
+    spread = float(gain.std()) if len(gain) > 1 else 0.0
+    t = float(gain.mean()) / (spread / len(gain) ** 0.5) if spread > 0 else 0.0
+    return {"gain": float(gain.mean()), "t": t, "n": len(gain)}
 
 
 def start_run(variant: str, seed: int, args) -> dict:
@@ -77,6 +91,7 @@ def start_run(variant: str, seed: int, args) -> dict:
         f"eval.every={args.eval_every}",
         f"logger.console_every={args.eval_every}",
         "trainer.progress_bar=false",
+        *TASKS[args.task][0],
         *VARIANTS[variant],
         *args.overrides,
     ]
@@ -91,6 +106,7 @@ def start_run(variant: str, seed: int, args) -> dict:
         "log": log,
         "start": time.time(),
         "curve": [],
+        "score": TASKS[args.task][1],
     }
 
 
@@ -99,8 +115,9 @@ def follow(run: dict) -> None:
     for line in run["process"].stdout:
         run["log"].write(line)
         match = STEP_LINE.match(line.strip())
-        if match and "eval/reward=" in line:
-            reward = float(re.search(r"eval/reward=([-0-9.e]+)", line).group(1))
+        score = re.search(rf"eval/{re.escape(run['score'])}=([-0-9.e]+)", line) if match else None
+        if score:
+            reward = float(score.group(1))
             run["curve"].append({"step": int(match.group(1)), "reward": reward, "wall_s": time.time() - run["start"]})
     run["process"].wait()
     run["log"].close()
@@ -118,7 +135,7 @@ def result_of(run: dict, batch_size: int) -> dict:
         "curve": run["curve"],
         "wall_s": time.time() - run["start"],
     }
-    result.update(paired_gain(json.loads((run_dir / "eval.json").read_text())))
+    result.update(paired_gain(json.loads((run_dir / "eval.json").read_text()), run["score"]))
     (run_dir / "comparison.json").write_text(json.dumps(result))
     return result
 
@@ -141,19 +158,33 @@ def run_all(args) -> List[dict]:
         return list(pool.map(lambda job: run_one(*job, args), [(v, s) for v in args.variants for s in args.seeds]))
 
 
-def table(results: List[dict], variants: List[str]) -> str:
-    lines = ["| variant | seeds | held-out gain (mean) | paired t per seed | wall s (mean) |", "|---|---|---|---|---|"]
+def time_to_reach(curve: List[dict], rise: float) -> Optional[float]:
+    """Wall seconds until the held-out score first stood `rise` above its value at the start;
+    None when it never did."""
+    if not curve:
+        return None
+    start = curve[0]["reward"]
+    return next((point["wall_s"] for point in curve if point["reward"] - start >= rise), None)
+
+
+def table(results: List[dict], variants: List[str], rise: float) -> str:
+    lines = [
+        f"| variant | seeds | held-out gain (mean) | paired t per seed | wall s (mean) | s to +{rise:g} per seed |",
+        "|---|---|---|---|---|---|",
+    ]
     for variant in variants:
         rows = sorted((r for r in results if r["variant"] == variant), key=lambda r: r["seed"])
         if rows:
             gains = sum(r["gain"] for r in rows) / len(rows)
             ts = ", ".join(f"{r['t']:.1f}" for r in rows)
             wall = sum(r["wall_s"] for r in rows) / len(rows)
-            lines.append(f"| {variant} | {len(rows)} | {gains:+.5f} | {ts} | {wall:.0f} |")
+            reached = [time_to_reach(r["curve"], rise) for r in rows]
+            reach = ", ".join("not reached" if s is None else f"{s:.0f}" for s in reached)
+            lines.append(f"| {variant} | {len(rows)} | {gains:+.5f} | {ts} | {wall:.0f} | {reach} |")
     return "\n".join(lines) + "\n"
 
 
-def plot(results: List[dict], variants: List[str], path: Path) -> bool:
+def plot(results: List[dict], variants: List[str], path: Path, score: str) -> bool:
     try:
         import matplotlib
 
@@ -176,7 +207,7 @@ def plot(results: List[dict], variants: List[str], path: Path) -> bool:
             axis.plot(mean[key], mean["reward"], marker="o", label=variant)
     for axis, label in zip(axes, ("wall time (s)", "images sampled")):
         axis.set_xlabel(label)
-        axis.set_ylabel("held-out reward (mean over seeds)")
+        axis.set_ylabel(f"held-out {score} (mean over seeds)")
     axes[1].legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -191,6 +222,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32, help="images per step (trainer.batch_size of the runs)")
+    parser.add_argument("--task", choices=list(TASKS), default="brightness")
+    parser.add_argument("--reach", type=float, default=0.1, help="the rise whose time the table gives")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once")
     parser.add_argument("--threads", type=int, default=1, help="OpenMP threads per run")
     parser.add_argument("overrides", nargs="*", help="more overrides for every run")
@@ -199,9 +232,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     results = run_all(args)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    text = table(results, args.variants)
+    text = table(results, args.variants, args.reach)
     (args.out / "table.md").write_text(text)
-    plotted = plot(results, args.variants, args.out / "curves.png")
+    plotted = plot(results, args.variants, args.out / "curves.png", TASKS[args.task][1])
     print(
         text
         + f"written: {args.out / 'results.json'}, {args.out / 'table.md'}"

@@ -54,6 +54,11 @@ def test_the_base_model_and_a_trained_checkpoint_are_evaluated_per_category(tmp_
     hashes = json.loads((tmp_path / "trained" / "results" / "manifest.json").read_text())["checkpoint"]
     files = [p for p in checkpoint.rglob("*") if p.is_file()]
     assert sorted(hashes.values()) == sorted(hashlib.sha256(p.read_bytes()).hexdigest() for p in files)
+    # the run's eval.json holds every score image by image, before and after, for paired tests
+    scores = json.loads((run / "eval.json").read_text())["scores"]
+    for name in ("scene_geneval/accuracy", "brightness"):
+        assert scores[name]["after"] == [i[name] for i in trained["per_image"]]
+        assert scores[name]["before"] == [i[name] for i in base["per_image"]]
     # the same prompts and seeds; the trained LoRA changed the images, so their scores
     assert [i["seed"] for i in trained["per_image"]] == [i["seed"] for i in base["per_image"]]
     assert [i["brightness"] for i in trained["per_image"]] != [i["brightness"] for i in base["per_image"]]
