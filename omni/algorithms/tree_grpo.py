@@ -15,7 +15,9 @@ into node n, made at branch step b_d, has the mean advantage of the leaves under
     A(n) = mean over valid leaves l under n of A_l
 
 so the last branch step's transitions carry their own leaf's advantage, and an earlier one
-the average outcome of the subtree it chose. Only the branch steps' transitions are trained,
+the average outcome of the subtree it chose (the paper backs the normalised leaf rewards up
+to every edge; the plain mean over a node's leaves is the aggregation here, with no parent's
+value subtracted). Only the branch steps' transitions are trained,
 each once (a node's transition is stored in the row of the first leaf under it), with
 Flow-GRPO's clipped ratio, KL, minibatches and micro-batches (`flow_grpo.run_update`).
 

@@ -291,10 +291,11 @@ def test_two_steps_through_the_cli_train_the_lora(tmp_path, tiny_cache):
 
 
 @pytest.mark.slow
-def test_tree_grpo_raises_held_out_reward(tmp_path, tiny_cache):
+def test_tree_grpo_raises_held_out_reward(tmp_path, tiny_cache, tiny_sd3_dir):
     """The default run with algorithm=tree_grpo (50 steps, 4 trees of 8 leaves a step), seeds
     0 and 1: the held-out reward rises, paired t > 3 each. Measured: +0.0220 (t 17.2) and
-    +0.0193 (t 14.9); Flow-GRPO's default run: +0.0107 (t 8.8, 7.0, README)."""
+    +0.0193 (t 14.9); Flow-GRPO's default run: +0.0107 (t 8.8, 7.0, README). (`tiny_sd3_dir`:
+    the tiny model is built before the two runs start, so that they do not both build it.)"""
     runs = {tmp_path / f"seed{seed}": (1, ["algorithm=tree_grpo", f"seed={seed}"]) for seed in (0, 1)}
     train_in_parallel(runs, tiny_cache)
     for run_dir in runs:
