@@ -18,6 +18,7 @@ UPDATE = 15_485_863  # a training step's update (minibatch shuffles, DPO noise);
 SDE_WINDOW = 7_919  # Flow-GRPO-Fast's window start; index: the step
 EPOCH_ORDER = 100_003  # the shuffle of prompts or preference pairs; index: the epoch
 MINIBATCHES = 1_009  # an update's minibatch plan and DiffusionNFT's noise; index: the epoch or first row
+TREE_BRANCH = 104_729  # TreeGRPO: a branch's noise; base: its tree's seed, index: (step, child)
 EVAL_CHUNK = 1_000_000_007  # a held-out DPO chunk's noise; base: the chunk, index: eval.seed
 
 

@@ -40,6 +40,7 @@ VARIANTS: Dict[str, List[str]] = {
     "flow_dppo": ["algorithm=flow_dppo"],
     "mix_grpo": ["algorithm=mix_grpo"],
     "mix_grpo_flash": ["algorithm=mix_grpo_flash"],
+    "tree_grpo": ["algorithm=tree_grpo"],
     "diffusion_nft": ["algorithm=diffusion_nft"],
     "dgpo": ["algorithm=dgpo"],
     "awm": ["algorithm=awm"],

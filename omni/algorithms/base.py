@@ -15,7 +15,7 @@ every worker, so adding an algorithm adds no worker method.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Tuple
 
 import torch
@@ -99,15 +99,20 @@ class ScoredRollout:
         return {**means(kept, "reward/"), "reward/std": float(kept["reward"].std()), **dropped}
 
 
-def grouped_rollout(ctx: StepContext, step: int, group_size: int, sde_steps: Tuple[int, int]) -> ScoredRollout:
+def grouped_rollout(
+    ctx: StepContext, step: int, group_size: int, sde_steps: Tuple[int, int], tree: Tuple[Tuple[int, int], ...] = ()
+) -> ScoredRollout:
     """Step `step`'s prompts, each sampled `group_size` times with the current policy, scored
-    (while it is sampled, with `reward.overlap`)."""
+    (while it is sampled, with `reward.overlap`). With a `tree` (`SamplingOptions.tree`) each
+    group is one tree, grown from the seed of the group's first image."""
     cfg = ctx.cfg
     prompts = items_for_step(ctx.train_prompts, step, cfg.trainer.batch_size // group_size, cfg.seed)
     prompts = [p for p in prompts for _ in range(group_size)]
-    batch, scores, timings = ctx.sample_and_score(
-        prompts, step_seeds(cfg.seed, step, len(prompts)), ctx.sampling_options(sde_steps)
-    )
+    seeds = step_seeds(cfg.seed, step, len(prompts))
+    if tree:
+        seeds = [s for s in seeds[::group_size] for _ in range(group_size)]
+    options = replace(ctx.sampling_options(sde_steps), tree=tuple(tree))
+    batch, scores, timings = ctx.sample_and_score(prompts, seeds, options)
     valid = ctx.reward.finite(scores, f"training step {step + 1}")
     ctx.log_images(batch.images, step)
     return ScoredRollout(prompts, batch, scores, valid, ctx.reward.weights, timings)

@@ -85,6 +85,7 @@ class GRPOBatch:
     """A rollout batch and its advantages: what a worker's update needs."""
 
     rollout: RolloutBatch
+    # (B,): each sample's advantage, for all its steps; or (B, T): each transition's (TreeGRPO)
     advantages: torch.Tensor
     # Per sample, the weight of its KL to the reference (GARDO's gate); None: 1 for every sample.
     kl_weights: Optional[torch.Tensor] = None
@@ -238,7 +239,7 @@ def minibatch_step(
         device = policy.log_prob.device
         old = OldSteps(
             batch.rollout.log_probs[s, j].to(device),
-            batch.advantages[s].to(device),
+            (batch.advantages[s] if batch.advantages.ndim == 1 else batch.advantages[s, j]).to(device),
             None if old_means is None else old_means[s, j - start],
         )
         main, extras = policy_loss(policy, old, algo)
@@ -269,11 +270,19 @@ def rollout_step_means(worker, rollout: RolloutBatch) -> torch.Tensor:
 
 
 def run_update(
-    worker, batch: GRPOBatch, seed: int, first: int, policy_loss=clipped_loss, needs_old_means: bool = False
+    worker,
+    batch: GRPOBatch,
+    seed: int,
+    first: int,
+    policy_loss=clipped_loss,
+    needs_old_means: bool = False,
+    plan=None,
 ):
     """Every (sample, SDE step) transition of the batch, `num_inner_epochs` times, each pass
     `num_minibatches` optimizer steps (see `minibatch_rows`) of `policy_loss`. A worker of a
-    group holds rows [first, first + len(batch)) of the whole batch."""
+    group holds rows [first, first + len(batch)) of the whole batch. `plan(n_samples,
+    num_minibatches, seed, first)`: other transitions' minibatches, as `minibatch_rows` gives
+    its own (TreeGRPO's branch steps)."""
     algo = worker.cfg.algorithm
     old_means = rollout_step_means(worker, batch.rollout) if needs_old_means else None
     totals: Dict[str, List[float]] = {}
@@ -282,8 +291,13 @@ def run_update(
     unchanged = batch.rollout.uncond_velocities is not None
     for epoch in range(algo.num_inner_epochs):
         epoch_seed = seeding.derive_seed(seed, epoch, seeding.MINIBATCHES)
-        plan = minibatch_rows(len(batch), batch.rollout.options.sde_steps, algo.num_minibatches, epoch_seed, first)
-        for samples, steps in plan:
+        if plan is None:
+            minibatches = minibatch_rows(
+                len(batch), batch.rollout.options.sde_steps, algo.num_minibatches, epoch_seed, first
+            )
+        else:
+            minibatches = plan(len(batch), algo.num_minibatches, epoch_seed, first)
+        for samples, steps in minibatches:
             for key, value in minibatch_step(worker, batch, samples, steps, policy_loss, old_means, unchanged).items():
                 totals.setdefault(key, []).append(value)
             unchanged = False
@@ -318,6 +332,10 @@ class FlowGRPO(Algorithm):
         """Step `step`'s SDE steps [start, stop): all, or Flow-GRPO-Fast's random window."""
         return self.ctx.sde_window(step, self.cfg.algorithm.sde_window_size, self.cfg.algorithm.sde_window_range)
 
+    def rollout(self, step: int) -> ScoredRollout:
+        """Step `step`'s groups, sampled with the SDE on its window, and scored."""
+        return grouped_rollout(self.ctx, step, self.cfg.algorithm.group_size, self.window(step))
+
     def update_batch(self, rollout: ScoredRollout) -> Tuple[GRPOBatch, Dict[str, float]]:
         """What the update trains on: the rollout with its clipped group advantages (and
         metrics of how they were made, per reward under reward.aggregation)."""
@@ -326,8 +344,8 @@ class FlowGRPO(Algorithm):
         return GRPOBatch(rollout.batch, clip_advantages(advantages, algo.adv_clip_max)), metrics
 
     def step(self, step: int) -> Dict[str, float]:
-        algo, worker = self.cfg.algorithm, self.ctx.worker
-        rollout = grouped_rollout(self.ctx, step, algo.group_size, self.window(step))
+        worker = self.ctx.worker
+        rollout = self.rollout(step)
         batch, shaping = self.update_batch(rollout)
         tick = time.perf_counter()
         metrics = {**worker.apply_update(self.update, batch, update_seed(self.cfg.seed, step)), **shaping}
@@ -350,14 +368,7 @@ def check_policy_config(cfg) -> None:
         if available < rollout.num_steps
         else ""
     )
-    if CFGGradient(algo.cfg_gradient) == CFGGradient.conditional:
-        require(
-            get_family(cfg.model.family).forward_passes(rollout.guidance_scale) == 2,
-            f"algorithm.cfg_gradient=conditional: model.family={cfg.model.family} at rollout.guidance_scale="
-            f"{rollout.guidance_scale} runs no unconditional pass (classifier-free guidance needs a scale above 1 "
-            "and a family that guides with two passes, not FLUX's distilled guidance); leave "
-            "algorithm.cfg_gradient=both",
-        )
+    check_cfg_gradient(cfg)
     sde_steps = algo.sde_window_size or available
     require(
         1 <= algo.num_minibatches <= sde_steps,
@@ -376,6 +387,18 @@ def check_policy_config(cfg) -> None:
                 f"algorithm.sde_window_range={list(algo.sde_window_range)} does not fit a window of "
                 f"{algo.sde_window_size} in {steps_of}",
             )
+
+
+def check_cfg_gradient(cfg) -> None:
+    """algorithm.cfg_gradient=conditional needs an unconditional pass to leave out."""
+    if CFGGradient(cfg.algorithm.cfg_gradient) == CFGGradient.conditional:
+        require(
+            get_family(cfg.model.family).forward_passes(cfg.rollout.guidance_scale) == 2,
+            f"algorithm.cfg_gradient=conditional: model.family={cfg.model.family} at rollout.guidance_scale="
+            f"{cfg.rollout.guidance_scale} runs no unconditional pass (classifier-free guidance needs a scale above 1 "
+            "and a family that guides with two passes, not FLUX's distilled guidance); leave "
+            "algorithm.cfg_gradient=both",
+        )
 
 
 def check_groups(group_size: int, batch_size: int) -> None:

@@ -32,6 +32,10 @@ class SamplingOptions:
     ode_solver: str = "euler"
     # Frames per clip of a video family (1 for images).
     num_frames: int = 1
+    # TreeGRPO's tree: (denoising step, children) at each branch point, in step order; the
+    # rows come in groups of the tree's leaves, one prompt and seed per group, and the branch
+    # steps are the only SDE steps (`sde_steps` unused). (): independent samples.
+    tree: Tuple[Tuple[int, int], ...] = ()
 
 
 def run_sampling_options(cfg, sde_steps: Tuple[int, int] = (0, 0)) -> SamplingOptions:

@@ -31,6 +31,7 @@ from omni.models.base import Conditioning, ModelFamily
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.ode import ODESolver
 from omni.rollout.sde import is_noisy_step, sde_step
+from omni.rollout.tree import sample_trees
 
 
 class PromptCache:
@@ -199,7 +200,8 @@ def sample_rollout(
     keep_uncond: bool = False,
 ) -> RolloutBatch:
     """Sample every (prompt, seed) in micro-batches; the batch the actor re-scores (the
-    prompts encoded through `prompt_cache`, or a cache for this call only). `keep_uncond`:
+    prompts encoded through `prompt_cache`, or a cache for this call only); with
+    `options.tree`, each group of rows is one tree (omni.rollout.tree). `keep_uncond`:
     under classifier-free guidance with two passes, the batch keeps the unconditional
     velocity of each SDE step (`RolloutBatch.uncond_velocities`)."""
     prompt_cache = prompt_cache or PromptCache(family, pipe, device, offload=False)
@@ -207,6 +209,11 @@ def sample_rollout(
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     sigmas = family.sigmas(pipe, options.num_steps, options.resolution)
     cond = prompt_cache.encode(prompts, options.guidance_scale, options.max_sequence_length)
+    if options.tree:  # TreeGRPO's groups, each one tree (keeps no unconditional velocities)
+        latents, log_probs, images = sample_trees(
+            family, pipe, prompts, seeds, cond, sigmas, options, micro_batch_size, device, dtype
+        )
+        return RolloutBatch(list(prompts), images, latents, log_probs, sigmas, cond.apply(lambda t: t.cpu()), options)
     start, stop = options.sde_steps
     keep_uncond = keep_uncond and stop > start and family.forward_passes(options.guidance_scale) == 2
     chunks = [

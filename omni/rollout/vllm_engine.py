@@ -272,6 +272,8 @@ class VllmEngine:
     def generate(self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions) -> RolloutBatch:
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        if options.tree:
+            raise ValueError("the vLLM-Omni engine samples no trees (TreeGRPO): use rollout=diffusers")
         meta = {"prompts": list(prompts), "seeds": [int(s) for s in seeds], "options": dataclasses.asdict(options)}
         tensors, _ = self._post("generate", pack(meta=meta))
         return batch_from_tensors(prompts, tensors, options, self.conditioning)
