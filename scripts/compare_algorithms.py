@@ -63,7 +63,8 @@ TASKS: Dict[str, tuple] = {
     "brightness": ([], "reward"),
     "scenes": (["model=micro", "data=scenes", "reward=scene_geneval", "eval=scenes"], "scene_geneval/accuracy"),
 }
-STEP_LINE = re.compile(r"^step (\d+): (.*)$")
+# a console line, after the log prefix Hydra's job logging adds (`[time][omni.loggers][INFO] - `)
+STEP_LINE = re.compile(r"(?:^|\] - )step (\d+): (.*)$")
 
 
 def slug(variant: str) -> str:
@@ -111,15 +112,20 @@ def start_run(variant: str, seed: int, args) -> dict:
     }
 
 
+def evaluation_in(line: str, score: str) -> Optional[tuple]:
+    """(step, held-out `score`) when the console line reports an evaluation, else None."""
+    match = STEP_LINE.search(line.strip())
+    value = re.search(rf"eval/{re.escape(score)}=([-0-9.e]+)(?:\s|$)", line) if match else None
+    return (int(match.group(1)), float(value.group(1))) if value else None
+
+
 def follow(run: dict) -> None:
     """Read the run's output to its end, noting the wall time of each held-out evaluation."""
     for line in run["process"].stdout:
         run["log"].write(line)
-        match = STEP_LINE.match(line.strip())
-        score = re.search(rf"eval/{re.escape(run['score'])}=([-0-9.e]+)", line) if match else None
-        if score:
-            reward = float(score.group(1))
-            run["curve"].append({"step": int(match.group(1)), "reward": reward, "wall_s": time.time() - run["start"]})
+        point = evaluation_in(line, run["score"])
+        if point:
+            run["curve"].append({"step": point[0], "reward": point[1], "wall_s": time.time() - run["start"]})
     run["process"].wait()
     run["log"].close()
 

@@ -39,6 +39,15 @@ def test_time_to_reach_is_the_first_evaluation_that_far_above_the_start():
     assert time_to_reach([], 0.1) is None
 
 
+def test_an_evaluation_is_read_from_the_logged_console_line():
+    evaluation_in = script().evaluation_in
+    line = "[2026-01-01 00:00:00,000][omni.loggers][INFO] - step 7: eval/reward=0.5 eval/acc=0.25 eval/acc/colors=0"
+    assert evaluation_in(line, "acc") == (7, 0.25)
+    assert evaluation_in("step 3: eval/acc=1 train/loss=2", "acc") == (3, 1.0)
+    assert evaluation_in("step 3: train/loss=2 reward/acc=1", "acc") is None
+    assert evaluation_in("eval/acc=1", "acc") is None
+
+
 @pytest.mark.slow
 def test_a_comparison_on_the_scenes_task_scores_held_out_accuracy(tmp_path):
     out = tmp_path / "cmp"
