@@ -1,15 +1,15 @@
-"""The Qwen-Image family on the tiny model: deterministic builds (in two processes, to the byte),
-a tiny tokenizer that gives the chat template the token count the pipeline drops, our
-sampler's ODE images equal to `QwenImagePipeline.__call__`'s with true CFG (and not when its
-rescale or its shift is broken), prompts padded apart that sample as a batch, the per-channel
-VAE normalisation, and a LoRA export that `QwenImagePipeline.load_lora_weights` loads."""
+"""What is Qwen-Image's own beyond the family contract (tests/models/test_family_contract.py): a
+tiny tokenizer that gives the chat template the token count the pipeline drops, our sampler's
+ODE images unequal to `QwenImagePipeline.__call__`'s when its true-CFG rescale or its shift is
+broken, prompts padded apart that sample as a batch, the per-channel VAE normalisation, and the
+unused modules with LoRA on the feed-forwards too."""
 
 import pytest
 import torch
 
 import omni.models.qwen_image as qwen
 from omni.models import get_family
-from omni.models.qwen_image import FAMILY, qwen_tokenizer, tiny_qwen_image_path, write_tiny_qwen_image
+from omni.models.qwen_image import FAMILY, qwen_tokenizer, tiny_qwen_image_path
 from omni.rollout.base import SamplingOptions
 from omni.rollout.sampling import sample_rollout
 
@@ -21,21 +21,6 @@ def pipe(tiny_qwen_image_dir):
     pipe = FAMILY.load_pipeline(tiny_qwen_image_dir, torch.float32)
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def test_two_builds_in_separate_processes_are_identical_files(tmp_path):
-    """Every file, the tokenizer included: a seed fixes the whole checkpoint on any machine."""
-    import subprocess
-    import sys
-
-    code = "import sys; from omni.models.qwen_image import write_tiny_qwen_image; write_tiny_qwen_image(sys.argv[1], 0)"
-    builds = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / name)]) for name in ("a", "b")]
-    assert [b.wait() for b in builds] == [0, 0]
-    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
-    assert files and files == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
-    assert any(f.parts[0] == "tokenizer" for f in files)
-    for f in files:
-        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
 
 
 def test_family_and_cache(tiny_cache, tiny_qwen_image_dir):
@@ -88,10 +73,10 @@ def test_ode_sampling_equals_qwen_image_pipeline(pipe, monkeypatch):
     assert (ode_sample(pipe, 4.0).images - theirs).abs().max() > 1e-3
 
 
-def test_without_guidance_one_pass_equals_the_pipeline(pipe):
+def test_without_guidance_one_pass_runs(pipe):
+    """The equality itself is the family contract's; here, no negative pass and other images."""
     ours = ode_sample(pipe, 1.0)
     assert ours.cond.neg_embeds is None
-    assert (ours.images - pipeline_images(pipe, ours.latents[:, 0], 1.0)).abs().max() < 1e-5
     assert (ours.images - ode_sample(pipe, 4.0).images).abs().max() > 1e-3
 
 
@@ -127,39 +112,6 @@ def test_vae_round_trip_uses_the_per_channel_normalisation(pipe):
     assert torch.allclose(latents, (raw - mean.repeat_interleave(4)) / std.repeat_interleave(4), atol=1e-5)
 
 
-def test_exported_lora_loads_in_qwen_image_pipeline(tiny_qwen_image_dir, pipe, tmp_path):
-    """A LoRA saved as checkpoints save it loads with QwenImagePipeline.load_lora_weights, on
-    both streams' projections, and gives the transformer the actor's outputs."""
-    from omni.checkpoint import save_lora
-    from omni.config.model import LoraConfig
-    from omni.weights import add_lora_adapter, lora_tensors
-
-    lora_config = LoraConfig(rank=4, target_modules=list(FAMILY.lora_targets))
-    actor = FAMILY.load_transformer(tiny_qwen_image_dir, torch.float32)
-    add_lora_adapter(actor, lora_config)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in actor.parameters():
-            if p.requires_grad:
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
-    lora = lora_tensors(actor, "default")
-    assert any(".add_q_proj." in k for k in lora) and any(".to_add_out." in k for k in lora)
-    save_lora(tmp_path, lora, lora_config, FAMILY)
-
-    cond = FAMILY.encode_prompts(pipe, PROMPTS, 4.0, 16, "cpu")
-    latents = torch.randn(2, 16, 64, generator=generator)
-    sigmas = torch.tensor([0.9, 0.4])
-    with torch.no_grad():
-        base = FAMILY.predict_velocity(pipe.transformer, latents, sigmas, cond, 4.0)
-        pipe.load_lora_weights(str(tmp_path))
-        loaded = FAMILY.predict_velocity(pipe.transformer, latents, sigmas, cond, 4.0)
-        pipe.unload_lora_weights()
-        expected = FAMILY.predict_velocity(actor, latents, sigmas, cond, 4.0)
-    assert not torch.allclose(base, loaded, atol=1e-3)
-    assert torch.allclose(loaded, expected, atol=1e-5)
-    assert FAMILY.load_lora(tmp_path).keys() == lora.keys()
-
-
 def test_unused_modules_are_exactly_the_lora_modules_without_a_gradient(tiny_qwen_image_dir, pipe):
     """With LoRA on every projection and feed-forward of both streams (the preset's targets),
     the modules the family calls unused are those whose LoRA gets no gradient, and no others."""
@@ -183,12 +135,6 @@ def test_unused_modules_are_exactly_the_lora_modules_without_a_gradient(tiny_qwe
         if "lora_A" in name and (p.grad is None or p.grad.abs().max() == 0)
     }
     assert without_gradient == set(FAMILY.unused_modules(FAMILY.tiny_transformer_config()))
-
-
-def test_missing_checkpoint_says_what_to_pass(tmp_path):
-    with pytest.raises(FileNotFoundError, match="model.path=.*no diffusers checkpoint there"):
-        FAMILY.check_path(str(tmp_path / "nowhere"))
-    assert write_tiny_qwen_image  # the builder is importable without building
 
 
 def test_conditional_cfg_gradient_leaves_out_the_unconditional_pass(pipe):

@@ -1,8 +1,7 @@
-"""The Wan family on the tiny model: deterministic builds (in two processes, to the byte), our
-sampler's ODE clips equal to `WanPipeline.__call__`'s with CFG and without (and not with
+"""What is Wan's own beyond the family contract (tests/models/test_family_contract.py): our
+sampler's ODE clips equal to `WanPipeline.__call__`'s from 5-D latents as its own (and not with
 another shift), the decoding in frame chunks equal to the VAE's whole decoding, the published
-architectures' sizes, a Wan2.2 two-expert checkpoint refused, and a LoRA export that
-`WanPipeline.load_lora_weights` loads."""
+architectures' sizes, and a Wan2.2 two-expert checkpoint refused."""
 
 import json
 import shutil
@@ -24,21 +23,6 @@ def pipe(tiny_wan_dir):
     pipe = FAMILY.load_pipeline(tiny_wan_dir, torch.float32)
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def test_two_builds_in_separate_processes_are_identical_files(tmp_path):
-    """Every file, the tokenizer included: a seed fixes the whole checkpoint on any machine."""
-    import subprocess
-    import sys
-
-    code = "import sys; from omni.models.wan import write_tiny_wan; write_tiny_wan(sys.argv[1], 0)"
-    builds = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / name)]) for name in ("a", "b")]
-    assert [b.wait() for b in builds] == [0, 0]
-    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
-    assert files and files == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
-    assert {f.parts[0] for f in files} >= {"tokenizer", "text_encoder", "transformer", "vae", "scheduler"}
-    for f in files:
-        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
 
 
 def test_family_and_cache(tiny_cache, tiny_wan_dir):
@@ -80,10 +64,10 @@ def test_ode_sampling_equals_wan_pipeline(pipe, monkeypatch):
     assert (ode_sample(pipe, 4.0).images - theirs).abs().max() > 1e-3
 
 
-def test_without_guidance_one_pass_equals_the_pipeline(pipe):
+def test_without_guidance_one_pass_runs(pipe):
+    """The equality itself is the family contract's; here, no negative pass and other clips."""
     ours = ode_sample(pipe, 1.0)
     assert ours.cond.neg_embeds is None and ours.cond.embeds.shape == (2, 16, 32)
-    assert (ours.images - pipeline_clips(pipe, ours.latents[:, 0], 1.0)).abs().max() < 1e-5
     assert (ours.images - ode_sample(pipe, 4.0).images).abs().max() > 1e-3
 
 
@@ -140,9 +124,7 @@ def test_published_architectures_build_on_the_meta_device():
     assert sum(p.numel() for p in vae.parameters()) == FAMILY.vae_params
 
 
-def test_two_expert_checkpoint_and_missing_path_are_refused(tmp_path, tiny_wan_dir):
-    with pytest.raises(FileNotFoundError, match="model.path=.*model_index.json missing"):
-        FAMILY.check_path(str(tmp_path / "nowhere"))
+def test_two_expert_checkpoint_is_refused(tmp_path, tiny_wan_dir):
     moe = tmp_path / "a14b"
     shutil.copytree(tiny_wan_dir, moe, ignore=shutil.ignore_patterns("*.safetensors"))
     index = json.loads((moe / "model_index.json").read_text())
@@ -154,37 +136,6 @@ def test_two_expert_checkpoint_and_missing_path_are_refused(tmp_path, tiny_wan_d
     ):
         FAMILY.check_path(str(moe))
     assert FAMILY.check_path(str(tiny_wan_dir)) == tiny_wan_dir
-
-
-def test_lora_export_loads_with_the_wan_pipeline(tmp_path, tiny_wan_dir, pipe):
-    """A LoRA trained in PEFT's naming, exported by the family, changes the pipeline's
-    transformer exactly as it changes ours."""
-    from omni.checkpoint import save_lora
-    from omni.config.model import LoraConfig
-    from omni.weights import add_lora_adapter, lora_tensors
-
-    config = LoraConfig(target_modules=list(FAMILY.lora_targets))
-    actor = FAMILY.load_transformer(tiny_wan_dir, torch.float32)
-    add_lora_adapter(actor, config)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in actor.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    lora = lora_tensors(actor, "default")
-    assert any(".attn2.to_k." in k for k in lora) and all(k.startswith("blocks.") for k in lora)
-    save_lora(tmp_path, lora, config, FAMILY)
-    fresh = FAMILY.load_pipeline(tiny_wan_dir, torch.float32)
-    cond = FAMILY.encode_prompts(fresh, PROMPTS, 4.0, 16, "cpu")
-    latents = torch.randn(2, 16, 2, 4, 4, generator=generator)
-    sigmas = torch.tensor([0.9, 0.4])
-    with torch.no_grad():
-        base = FAMILY.predict_velocity(fresh.transformer, latents, sigmas, cond, 4.0)
-        fresh.load_lora_weights(str(tmp_path))
-        loaded = FAMILY.predict_velocity(fresh.transformer, latents, sigmas, cond, 4.0)
-        expected = FAMILY.predict_velocity(actor, latents, sigmas, cond, 4.0)
-    assert (base - loaded).abs().max() > 1e-4
-    assert torch.allclose(loaded, expected, atol=1e-6)
 
 
 def test_conditional_cfg_gradient_leaves_out_the_unconditional_pass(pipe):
