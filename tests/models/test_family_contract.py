@@ -30,7 +30,8 @@ from omni.rollout.base import SamplingOptions
 from omni.rollout.sampling import sample_rollout
 
 NAMES = FAMILIES.names()
-PROMPTS = ["a red cat", "a blue dog with a tree"]
+# a tuple: ZImagePipeline rewrites a prompt list in place (its chat template), so each call gets a copy
+PROMPTS = ("a red cat", "a blue dog with a tree")
 SEEDS = [3, 4]
 STEPS, TEXT_LENGTH = 3, 16
 # Guidance the contract samples with beside the tiny config's own: classifier-free guidance
@@ -129,7 +130,7 @@ def ode_sample(family, pipe, guidance_scale, settings):
         STEPS, settings["resolution"], guidance_scale, noise_level=0.7, max_sequence_length=TEXT_LENGTH,
         sde_steps=(0, 0), num_frames=settings.get("num_frames", 1),
     )  # fmt: skip
-    return sample_rollout(family, pipe, PROMPTS, SEEDS, options, 4, torch.device("cpu"), torch.float32)
+    return sample_rollout(family, pipe, list(PROMPTS), SEEDS, options, 4, torch.device("cpu"), torch.float32)
 
 
 def pipeline_output(family, pipe, guidance_scale, settings):
@@ -137,7 +138,7 @@ def pipeline_output(family, pipe, guidance_scale, settings):
     size = settings["resolution"]
     video = {"num_frames": settings["num_frames"]} if family.video else {}
     out = pipe(
-        PROMPTS, height=size, width=size, num_inference_steps=STEPS, max_sequence_length=TEXT_LENGTH,
+        list(PROMPTS), height=size, width=size, num_inference_steps=STEPS, max_sequence_length=TEXT_LENGTH,
         generator=[torch.Generator().manual_seed(s) for s in SEEDS], output_type="pt",
         **video, **family.pipeline_guidance(guidance_scale),
     )  # fmt: skip
@@ -174,7 +175,7 @@ def random_lora(family, path, exclude=()):
 
 def velocity_inputs(family, pipe, settings, guidance):
     """Conditioning, initial latents (the sampler's own layout) and two noise levels."""
-    cond = family.encode_prompts(pipe, PROMPTS, guidance, TEXT_LENGTH, "cpu")
+    cond = family.encode_prompts(pipe, list(PROMPTS), guidance, TEXT_LENGTH, "cpu")
     generators = [torch.Generator().manual_seed(s) for s in SEEDS]
     latents = family.initial_latents(pipe, generators, settings["resolution"], settings.get("num_frames", 1))
     return cond, latents, torch.tensor([0.9, 0.4])
