@@ -91,18 +91,20 @@ def vae_encode(vae, images: torch.Tensor, device, inversion_steps: int = 0) -> t
     return ((latents - vae.config.shift_factor) * vae.config.scaling_factor).cpu()
 
 
-def invert_decoder(vae, images: torch.Tensor, device, steps: int) -> torch.Tensor:
+def invert_decoder(vae, images: torch.Tensor, device, steps: int, decode=None, shape=None) -> torch.Tensor:
     """The latents (transformer scale, fp32 on the CPU) whose decoding best matches `images`:
     `steps` Adam steps on the mean squared pixel error, from zero latents (the prior's mean).
+    A family whose latents are not the VAE's scaled and shifted ones passes its own
+    differentiable `decode` (latents -> images in [0, 1]) and one image's latent `shape`.
 
     For a VAE whose encoder does not invert its decoder, such as a tiny random one: its
     encoder's latents decode to images unrelated to the input, so training on them (DPO's
     pairs) teaches the model nothing about how the images look. Deterministic for given
     images, like the encoder."""
     target = images.to(device, torch.float32)
-    latents = torch.zeros(
-        len(images), vae.config.latent_channels, *_latent_size(vae, images), device=device, requires_grad=True
-    )
+    decode = decode or (lambda latents: vae_decode_differentiable(vae, latents))
+    shape = shape or (vae.config.latent_channels, *_latent_size(vae, images))
+    latents = torch.zeros(len(images), *shape, device=device, requires_grad=True)
     optimizer = torch.optim.Adam([latents], lr=INVERSION_LR)
     frozen = [p for p in vae.decoder.parameters() if p.requires_grad]
     for parameter in frozen:
@@ -110,7 +112,7 @@ def invert_decoder(vae, images: torch.Tensor, device, steps: int) -> torch.Tenso
     try:
         with torch.enable_grad():
             for _ in range(steps):
-                loss = F.mse_loss(vae_decode_differentiable(vae, latents), target)
+                loss = F.mse_loss(decode(latents), target)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()

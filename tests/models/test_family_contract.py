@@ -137,8 +137,9 @@ def pipeline_output(family, pipe, guidance_scale, settings):
     """The plain pipeline's images (or clips) for the same prompts, generators and steps."""
     size = settings["resolution"]
     video = {"num_frames": settings["num_frames"]} if family.video else {}
+    # by keyword: Flux2KleinPipeline takes a conditioning image first
     out = pipe(
-        list(PROMPTS), height=size, width=size, num_inference_steps=STEPS, max_sequence_length=TEXT_LENGTH,
+        prompt=list(PROMPTS), height=size, width=size, num_inference_steps=STEPS, max_sequence_length=TEXT_LENGTH,
         generator=[torch.Generator().manual_seed(s) for s in SEEDS], output_type="pt",
         **video, **family.pipeline_guidance(guidance_scale),
     )  # fmt: skip
