@@ -19,8 +19,24 @@ with the proxy the trained reward and the auxiliaries the reward components `gat
 (scored, and trained on with their weight, 0 for none). The f B samples of largest u are
 gated. Offline, with a single reward, `gate_by=advantage` gates the f B samples of largest
 advantage: those the update pushes hardest towards, where a hacked proxy does most harm.
-The public code also adapts f between 0.02 and 0.2 from the batch's mean uncertainty and
-gates only samples with u >= 0; neither is reproduced here (f is fixed).
+
+With `gate_schedule=adaptive` (the public code's) the fraction follows the uncertainty's
+trend instead, and only samples with u >= 0 may be gated (with `gate_by=advantage`, u is the
+advantage). With m_t the mean of u over this batch's valid samples with u >= 0, H the last
+`gate_window` such means (before this one), and f_0 = gate_fraction,
+
+    f_t = clip(f_{t-1} x (1 + gate_rate)   if m_t > max H
+               f_{t-1} x (1 - gate_rate)   if m_t < min H
+               f_{t-1}                      otherwise (or H empty),   gate_fraction_range)
+
+and the ceil(f_t x n) samples of largest u among the n valid ones with u >= 0 are gated (f_t
+is logged as `train/gate_fraction`). A batch without such a sample gates none and leaves f
+and H alone. The public code's settings are the defaults: f in [0.02, 0.2], rate 0.1, a
+window of 20, f_0 = 0.1. It gates the samples strictly above the (1 - f_t) quantile of the
+n, a few fewer where u ties; and it measures u with ranks (1 the best), rank_proxy - mean
+rank_aux, about (n - 1) times the win-rate difference above but of the opposite sign, so its
+gated samples are those the proxy ranks below the auxiliaries. Here u keeps the sign above
+(the proxy's excess liking); the difference is not settled.
 
 (b) Adaptive reference. A reference the policy has long outgrown only holds it back, so it
 is reset to the current policy every `reset_every` steps, and, with `reset_kl_threshold`,
@@ -76,6 +92,11 @@ class GateSignal(str, Enum):
     advantage = "advantage"  # the largest advantages (needs no second reward)
 
 
+class GateSchedule(str, Enum):
+    fixed = "fixed"  # gate_fraction of the valid samples, every step
+    adaptive = "adaptive"  # the fraction follows the uncertainty's trend; only u >= 0 is gated
+
+
 class DiversityFeature(str, Enum):
     none = "none"  # no diversity bonus
     pixels = "pixels"  # the image downsampled to 8 x 8
@@ -93,6 +114,12 @@ class GARDOConfig(FlowGRPOConfig):
     gate_by: GateSignal = GateSignal.advantage
     # gate_by=disagreement: the reward components the trained reward is compared with.
     gate_rewards: List[str] = field(default_factory=list)
+    gate_schedule: GateSchedule = GateSchedule.fixed
+    # gate_schedule=adaptive: the fraction's bounds [lo, hi], its relative step, and how many
+    # past steps' mean uncertainties it is compared with (the public code's settings).
+    gate_fraction_range: List[float] = field(default_factory=lambda: [0.02, 0.2])
+    gate_rate: float = 0.1
+    gate_window: int = 20
     # Reset the reference to the policy every this many steps (0: never) ...
     reset_every: int = 15
     # ... and after a step whose gated KL exceeded this (null: no such reset).
@@ -119,8 +146,9 @@ def disagreement(proxy: torch.Tensor, auxiliaries: List[torch.Tensor], valid: to
 
 
 def gate_weights(signal: torch.Tensor, valid: torch.Tensor, fraction: float) -> torch.Tensor:
-    """KL weights: B / n on the n = ceil(fraction x valid) valid samples of largest `signal`,
-    0 elsewhere, so that a mean over the batch is the mean over the gated samples."""
+    """KL weights: B / n on the n = ceil(fraction x eligible) samples of largest `signal` among
+    the `valid` (eligible) ones, 0 elsewhere, so that a mean over the batch is the mean over
+    the gated samples."""
     n = math.ceil(fraction * int(valid.sum()) - 1e-9)
     weights = torch.zeros(len(signal))
     if n == 0:
@@ -128,6 +156,33 @@ def gate_weights(signal: torch.Tensor, valid: torch.Tensor, fraction: float) -> 
     ranked = torch.where(valid, signal.float(), torch.full((), -math.inf))
     weights[torch.topk(ranked, n).indices] = len(signal) / n
     return weights
+
+
+@dataclass
+class AdaptiveGate:
+    """The adaptive schedule's state: the gated fraction and the past steps' mean uncertainties."""
+
+    fraction: float
+    rate: float
+    bounds: Tuple[float, float]
+    window: int
+    history: List[float] = field(default_factory=list)
+
+    def weights(self, signal: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Moves the fraction by this batch's mean non-negative signal, then gates that fraction
+        of the valid samples with signal >= 0 (`gate_weights`)."""
+        eligible = valid & (signal >= 0)
+        if eligible.any():
+            self.update(float(signal[eligible].mean()))
+        return gate_weights(signal, eligible, self.fraction)
+
+    def update(self, level: float) -> None:
+        if self.history and level > max(self.history):
+            self.fraction *= 1 + self.rate
+        elif self.history and level < min(self.history):
+            self.fraction *= 1 - self.rate
+        self.fraction = min(max(self.fraction, self.bounds[0]), self.bounds[1])
+        self.history = (self.history + [level])[-self.window :]
 
 
 # ----------------------------------------------------------------- the diversity bonus
@@ -176,12 +231,27 @@ class GARDO(FlowGRPO):
         self.last_reset = 0  # the step the reference last became the policy (0: the base)
         self.last_kl: Optional[float] = None  # the previous step's gated KL
         self.reference: Optional[Dict[str, torch.Tensor]] = None  # the reference LoRA since a reset
+        self.gate = self.adaptive_gate(ctx.cfg.algorithm)  # None: the fixed fraction
+
+    @staticmethod
+    def adaptive_gate(algo) -> Optional[AdaptiveGate]:
+        if GateSchedule(algo.gate_schedule) != GateSchedule.adaptive:
+            return None
+        lo, hi = algo.gate_fraction_range
+        return AdaptiveGate(algo.gate_fraction, algo.gate_rate, (lo, hi), algo.gate_window)
 
     @classmethod
     def check_config(cls, cfg) -> None:
         algo = cfg.algorithm
         require(algo.clip_range > 0, f"algorithm.clip_range={algo.clip_range} must be positive")
         require(0 <= algo.gate_fraction <= 1, f"algorithm.gate_fraction={algo.gate_fraction} must be in [0, 1]")
+        bounds = list(algo.gate_fraction_range)
+        require(
+            len(bounds) == 2 and 0 <= bounds[0] <= bounds[1] <= 1,
+            f"algorithm.gate_fraction_range={bounds} must be [lo, hi] with 0 <= lo <= hi <= 1",
+        )
+        require(0 < algo.gate_rate < 1, f"algorithm.gate_rate={algo.gate_rate} must be in (0, 1)")
+        require(algo.gate_window >= 1, f"algorithm.gate_window={algo.gate_window} must be >= 1")
         require(algo.reset_every >= 0, f"algorithm.reset_every={algo.reset_every} must be >= 0 (0: never)")
         threshold = algo.reset_kl_threshold
         require(threshold is None or threshold > 0, f"algorithm.reset_kl_threshold={threshold} must be positive")
@@ -219,15 +289,25 @@ class GARDO(FlowGRPO):
             metrics["diversity_distance"] = float(distances[valid].mean())
         advantages = clip_advantages(advantages, algo.adv_clip_max)
         metrics["diversity_shift"] = float((advantages - raw).abs()[valid].mean())
+        weights = self.kl_weights(rollout, advantages, metrics)
+        return GRPOBatch(rollout.batch, advantages, weights), metrics
+
+    def kl_weights(self, rollout: ScoredRollout, advantages: torch.Tensor, metrics: Dict[str, float]) -> torch.Tensor:
+        """The batch's KL weights: its gated samples by the configured signal and schedule."""
+        algo, valid = self.cfg.algorithm, rollout.valid
         if GateSignal(algo.gate_by) == GateSignal.disagreement:
             auxiliaries = [rollout.scores[name] for name in algo.gate_rewards]
             signal = disagreement(rollout.scores["reward"], auxiliaries, valid)
             metrics["uncertainty"] = float(signal[valid].mean())
         else:
             signal = advantages
-        weights = gate_weights(signal, valid, algo.gate_fraction)
+        if self.gate is None:
+            weights = gate_weights(signal, valid, algo.gate_fraction)
+        else:
+            weights = self.gate.weights(signal, valid)
+            metrics["gate_fraction"] = self.gate.fraction
         metrics["gated_fraction"] = float((weights > 0).float().mean())
-        return GRPOBatch(rollout.batch, advantages, weights), metrics
+        return weights
 
     def reset_due(self, step: int) -> bool:
         algo = self.cfg.algorithm
@@ -252,11 +332,15 @@ class GARDO(FlowGRPO):
         return {**metrics, "train/reference_reset": float(reset), "train/reference_age": float(step - self.last_reset)}
 
     def state_dict(self) -> Dict[str, object]:
-        return {"last_reset": self.last_reset, "last_kl": self.last_kl, "reference": self.reference}
+        gate = None if self.gate is None else {"fraction": self.gate.fraction, "history": list(self.gate.history)}
+        return {"last_reset": self.last_reset, "last_kl": self.last_kl, "reference": self.reference, "gate": gate}
 
     def load_state_dict(self, state: Dict[str, object], step: int) -> None:
-        """The checkpoint's reference (the base before any reset) and reset clock."""
+        """The checkpoint's reference (the base before any reset), reset clock and adaptive gate."""
         self.last_reset, self.last_kl = state.get("last_reset", 0), state.get("last_kl")
+        self.gate = self.adaptive_gate(self.cfg.algorithm)
+        if self.gate is not None and state.get("gate"):
+            self.gate.fraction, self.gate.history = state["gate"]["fraction"], list(state["gate"]["history"])
         self.reference = state.get("reference")
         if self.resets(self.cfg):
             base = self.reference is None

@@ -42,6 +42,39 @@ def test_gate_weights_hand_computed():
     assert torch.equal(gardo.gate_weights(signal, valid, 0.3), torch.tensor([0.0, 0.0, 0.0, 4.0]))
 
 
+def test_adaptive_fraction_follows_the_uncertainty_trend():
+    """Window 3, rate 0.1: the first mean only starts the history; 0.5 beats every past mean
+    (x 1.1), 0.45 lies between them (unchanged, though above their mean), 0.6 beats them
+    (x 1.1), 0.35 falls below the last three (x 0.9; the first mean, 0.3, has left the window)."""
+    gate = gardo.AdaptiveGate(0.1, 0.1, (0.02, 0.2), 3)
+    fractions = []
+    for level in (0.3, 0.5, 0.45, 0.6, 0.35):
+        gate.update(level)
+        fractions.append(gate.fraction)
+    assert fractions == pytest.approx([0.1, 0.11, 0.11, 0.121, 0.1089])
+    assert gate.history == [0.45, 0.6, 0.35]
+    high, low = gardo.AdaptiveGate(0.19, 0.1, (0.02, 0.2), 3), gardo.AdaptiveGate(0.021, 0.1, (0.02, 0.2), 3)
+    for level in (0.1, 0.2):
+        high.update(level)
+        low.update(0.3 - level)
+    assert high.fraction == 0.2 and low.fraction == 0.02  # 0.209 and 0.0189, within the bounds
+
+
+def test_adaptive_gate_gates_only_non_negative_uncertainty():
+    """u = (-0.5, 0.2, 0.6, -0.1, 0, 0.4): 4 samples have u >= 0 (mean 0.3); half of them, the
+    two largest, are gated at weight 6 / 2; the whole fraction gates all 4, never a negative u;
+    a batch with no u >= 0 gates none and leaves the schedule alone."""
+    signal, valid = torch.tensor([-0.5, 0.2, 0.6, -0.1, 0.0, 0.4]), torch.ones(6, dtype=torch.bool)
+    half = gardo.AdaptiveGate(0.5, 0.1, (0.0, 1.0), 20)
+    assert torch.equal(half.weights(signal, valid), torch.tensor([0.0, 0, 3, 0, 0, 3]))
+    assert half.history == [pytest.approx(0.3)] and half.fraction == 0.5
+    whole = gardo.AdaptiveGate(1.0, 0.1, (0.0, 1.0), 20)
+    assert torch.equal(whole.weights(signal, valid), torch.tensor([0.0, 1.5, 1.5, 0, 1.5, 1.5]))
+    valid[2] = False  # an invalid sample is never gated: 3 eligible, ceil(1.5) = 2 gated
+    assert torch.equal(half.weights(signal, valid), torch.tensor([0.0, 3, 0, 0, 0, 3]))
+    assert torch.equal(half.weights(-signal.abs() - 1, valid), torch.zeros(6)) and len(half.history) == 2
+
+
 def test_features_hand_computed():
     image = torch.zeros(1, 3, 16, 16)
     image[..., :8] = 1.0  # left half white
@@ -105,6 +138,13 @@ BAD = {
     ),
     "reset without a lora": (["model.lora=null"], "algorithm.reset_every"),
     "unknown feature": (["algorithm.diversity_feature=dino"], "algorithm.diversity_feature"),
+    "unknown gate schedule": (["algorithm.gate_schedule=sometimes"], "algorithm.gate_schedule"),
+    "gate range reversed": (["algorithm.gate_fraction_range=[0.3,0.1]"], "algorithm.gate_fraction_range"),
+    "gate range of one bound": (["algorithm.gate_fraction_range=[0.1]"], "algorithm.gate_fraction_range"),
+    "gate range above 1": (["algorithm.gate_fraction_range=[0.1,1.5]"], "algorithm.gate_fraction_range"),
+    "gate rate of 0": (["algorithm.gate_rate=0"], "algorithm.gate_rate"),
+    "gate rate of 1": (["algorithm.gate_rate=1"], "algorithm.gate_rate"),
+    "gate window of 0": (["algorithm.gate_window=0"], "algorithm.gate_window"),
 }
 
 
@@ -121,6 +161,12 @@ def test_compatible_options_validate(tmp_path):
                              "algorithm.gate_by=disagreement", "algorithm.gate_rewards=[jpeg_compressibility]"],
                             tmp_path))  # fmt: skip
     validate(compose_config(["algorithm=gardo", "model.lora=null", "algorithm.reset_every=0"], tmp_path))
+    adaptive = [
+        "algorithm.gate_schedule=adaptive",
+        "algorithm.gate_fraction_range=[0.05,0.5]",
+        "algorithm.gate_window=5",
+    ]
+    validate(compose_config(["algorithm=gardo", *adaptive], tmp_path))
 
 
 def run_two_steps(tiny_cache, tmp_path, *overrides, then=None):
@@ -152,6 +198,27 @@ def test_two_steps_run_and_change_the_lora(tiny_cache, tmp_path):
     for m in metrics:
         assert math.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0 and m["train/gated_fraction"] == 0.25
         assert m["train/diversity_shift"] > 0  # the bonus moved some advantage
+
+
+def test_the_adaptive_gate_runs_and_is_checkpointed(tiny_cache, tmp_path):
+    """`gate_schedule=adaptive` through the trainer: each step logs its fraction, within the
+    bounds, the second moved from the first by the rate or not at all; the gate's state
+    round-trips through the algorithm's state."""
+    seen = {}
+
+    def reload(trainer):
+        state = trainer.algorithm.state_dict()
+        trainer.algorithm.load_state_dict({}, 2)
+        seen["fresh"] = (trainer.algorithm.gate.fraction, trainer.algorithm.gate.history)
+        trainer.algorithm.load_state_dict(state, 2)
+        seen["restored"], seen["saved"] = trainer.algorithm.gate.history, state["gate"]["history"]
+
+    _, _, metrics = run_two_steps(tiny_cache, tmp_path, "algorithm.gate_schedule=adaptive",
+                                  "algorithm.gate_fraction=0.1", then=reload)  # fmt: skip
+    first, second = (m["train/gate_fraction"] for m in metrics)
+    assert first == pytest.approx(0.1) and second in (pytest.approx(0.11), pytest.approx(0.1), pytest.approx(0.09))
+    assert all(0 < m["train/gated_fraction"] <= 0.5 for m in metrics)  # at most the half with A >= 0, rounded up
+    assert seen["fresh"] == (0.1, []) and seen["restored"] == seen["saved"] and len(seen["saved"]) == 2
 
 
 def test_a_reset_makes_the_reference_the_policy(tiny_cache, tmp_path):

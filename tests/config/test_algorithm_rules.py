@@ -49,6 +49,10 @@ BAD = {
     "dppo has no clip range": (["algorithm=flow_dppo", "algorithm.clip_range=0.1"], ["algorithm.clip_range"]),
     "cps with dgpo": (["algorithm=dgpo", "rollout.sde_type=cps"], ["rollout.sde_type=cps", "algorithm=dgpo"]),
     "dgpo beta": (["algorithm=dgpo", "algorithm.beta=0"], ["algorithm.beta=0"]),
+    "dgpo clip range of 0": (["algorithm=dgpo", "algorithm.clip_range=0"], ["algorithm.clip_range=0", "(0, 1)"]),
+    "dgpo clip range of 1": (["algorithm=dgpo", "algorithm.clip_range=1"], ["algorithm.clip_range=1", "(0, 1)"]),
+    "dgpo clip range not a number": (["algorithm=dgpo", "algorithm.clip_range=wide"], ["algorithm.clip_range"]),
+    "dgpo negative kl": (["algorithm=dgpo", "algorithm.kl_coef=-0.1"], ["algorithm.kl_coef=-0.1"]),
     "dgpo noise levels": (["algorithm=dgpo", "algorithm.timesteps_per_group=0"], ["algorithm.timesteps_per_group=0"]),
     "dgpo more minibatches than units": (
         ["algorithm=dgpo", "algorithm.num_minibatches=9"],  # 4 prompts x 2 noise levels
@@ -108,6 +112,8 @@ GOOD = [
     ["reward=multi", "reward.aggregation=gdpo", "algorithm=dgpo"],
     # DGPO's default mode: rollouts under CFG, the update without
     ["algorithm=dgpo", "rollout.guidance_scale=4.5", "algorithm.num_minibatches=8"],
+    # DGPO without its authors' stabilisers: the group preference objective alone
+    ["algorithm=dgpo", "algorithm.clip_range=null", "algorithm.kl_coef=0"],
 ]
 
 
