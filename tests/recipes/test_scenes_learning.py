@@ -25,7 +25,16 @@ def paired(summary: dict, score: str):
 def test_diffusion_nft_raises_held_out_scene_accuracy(tmp_path, tiny_cache):
     run = tmp_path / "scenes"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    train(run, tiny_cache, "experiment=scenes", "trainer.steps=120", "seed=0", "eval.images_per_prompt=2", env=env, timeout=1500)
+    train(
+        run,
+        tiny_cache,
+        "experiment=scenes",
+        "trainer.steps=120",
+        "seed=0",
+        "eval.images_per_prompt=2",
+        env=env,
+        timeout=1500,
+    )
     summary = json.loads((run / "eval.json").read_text())
     accuracy, _ = paired(summary, "scene_geneval/accuracy")
     partial, t = paired(summary, "scene_geneval/partial")
