@@ -1,7 +1,9 @@
 """Checkpoints: the trained weights in diffusers' format plus the trainer state, written atomically.
 
 Layout of `<output_dir>/checkpoints/step_000010/`:
-    pytorch_lora_weights.safetensors   a LoRA run: loadable by the family's pipeline (`load_lora_weights`)
+    pytorch_lora_weights.safetensors   a LoRA run: loadable by the family's pipeline (`load_lora_weights`);
+                                       a family of two experts (Wan2.2) may write the second expert's
+                                       as pytorch_lora_weights_transformer_2.safetensors
     transformer/                       full fine-tuning (`model.lora=null`): the whole transformer,
                                        diffusion_pytorch_model.safetensors + config.json, loadable
                                        with `<TransformerClass>.from_pretrained(dir, subfolder="transformer")`
@@ -150,10 +152,14 @@ def step_of(directory: Path) -> int:
     return int(directory.name.removeprefix("step_"))
 
 
-def weights_file(directory: Path) -> Path:
-    """The checkpoint's weights: the LoRA's file, or the whole transformer's when there is one."""
-    full = Path(directory) / TRANSFORMER_FILE
-    return full if full.is_file() else Path(directory) / LORA_FILE
+def weights_files(directory: Path) -> List[Path]:
+    """The checkpoint's weights: the whole transformer's file when there is one, else the
+    LoRA's files (`LORA_FILE`, and an expert's beside it; `LORA_FILE` when there is none)."""
+    directory = Path(directory)
+    if (directory / TRANSFORMER_FILE).is_file():
+        return [directory / TRANSFORMER_FILE]
+    found = sorted(directory.glob(f"{Path(LORA_FILE).stem}*.safetensors"))
+    return found or [directory / LORA_FILE]
 
 
 class CheckpointMismatch(ValueError):
@@ -171,24 +177,28 @@ def check_checkpoint(directory: Path, model=None) -> None:
     from safetensors import safe_open
 
     directory = Path(directory)
-    weights, state_file = weights_file(directory), directory / STATE_FILE
-    for path in (weights, state_file):
+    files, state_file = weights_files(directory), directory / STATE_FILE
+    for path in (*files, state_file):
         if not path.is_file():
             raise DamagedCheckpoint(
                 f"{path}: missing (a checkpoint holds {LORA_FILE} or {TRANSFORMER_FILE}, and {STATE_FILE})"
             )
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            shapes = {key: f.get_slice(key).get_shape() for key in f.keys()}
-    except Exception as error:  # safetensors raises its own error types for a bad header
-        raise DamagedCheckpoint(f"{weights}: unreadable safetensors ({error})") from None
+    shapes = {}
+    for weights in files:
+        try:
+            with safe_open(str(weights), framework="pt") as f:
+                shapes.update({f"{weights.stem}:{key}": f.get_slice(key).get_shape() for key in f.keys()})
+        except Exception as error:  # safetensors raises its own error types for a bad header
+            raise DamagedCheckpoint(f"{weights}: unreadable safetensors ({error})") from None
     try:
         state = torch.load(state_file, map_location="cpu", weights_only=False)
         int(state["step"])
     except Exception as error:  # a truncated pickle raises anything from EOFError to UnpicklingError
         raise DamagedCheckpoint(f"{state_file}: unreadable trainer state ({type(error).__name__}: {error})") from None
     if model is not None:
-        differences = config_differences(state.get("config"), model) or weights_differences(weights, shapes, model.lora)
+        differences = config_differences(state.get("config"), model) or weights_differences(
+            files[0], shapes, model.lora
+        )
         if differences:
             raise CheckpointMismatch(f"{directory} was saved by another configuration: {'; '.join(differences)}")
 
@@ -214,6 +224,8 @@ def config_differences(config_yaml, model) -> List[str]:
         return [kind_difference(full_saved=lora is None)]
     if lora is None:
         return []
+    if sorted(saved.get("train_experts") or []) != sorted(model.train_experts) and saved.get("train_experts"):
+        return [f"saved experts {saved['train_experts']}, configured {list(model.train_experts)} (model.train_experts)"]
     differences = [
         f"saved LoRA {what} {lora[key]}, configured {getattr(model.lora, key)} (model.lora.{key})"
         for key, what in (("rank", "rank"), ("alpha", "alpha"))
@@ -235,7 +247,7 @@ def kind_difference(full_saved: bool) -> str:
 
 def weights_differences(weights: Path, shapes: Dict[str, list], lora_config) -> List[str]:
     """What the weights' headers say, for a checkpoint whose state holds no config."""
-    full = weights.name != LORA_FILE
+    full = weights.parent.name == TRANSFORMER_DIR
     if full != (lora_config is None):
         return [kind_difference(full_saved=full)]
     return [] if full else lora_differences(shapes, lora_config)

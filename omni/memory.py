@@ -57,7 +57,9 @@ def arch_config(family, name_or_path: str) -> dict:
 
 
 def count(family, config: dict, lora) -> dict:
-    """Parameters of the transformer, of its largest block, and of the LoRA `lora` puts on it."""
+    """Parameters of the transformer (every expert of a family of experts: all are resident),
+    of its largest block, and of the LoRA `lora` puts on it; `blocks` are those one pass runs
+    (one expert's)."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
     from omni.weights import peft_lora_config
@@ -75,7 +77,8 @@ def count(family, config: dict, lora) -> dict:
         "block_params": max(sum(p.numel() for p in b.parameters()) for b in blocks),
         "lora_params": lora_params,
         "hidden": config["num_attention_heads"] * config["attention_head_dim"],
-        "blocks": len(blocks),
+        "blocks": len(blocks) // max(1, len(family.experts)),
+        "experts": max(1, len(family.experts)),
         "text_encoder_params": family.text_encoder_params,
         "vae_params": family.vae_params,
     }
@@ -143,12 +146,21 @@ def configuration(
 ) -> dict:
     """The estimate of one configuration of architecture `arch` (its transformer `config`,
     counted as `sizes`): `resolution` pixels square or (height, width), `num_frames` per clip
-    (1 for an image family) and `settings` as `run_settings` gives them."""
+    (1 for an image family) and `settings` as `run_settings` gives them. A family of experts
+    (Wan2.2 A14B) holds all of them resident (`params` counts every one; `experts` gives each's)
+    and runs one per step (the activations are one expert's)."""
     clip = {"num_frames": num_frames} if family.video else {}
     tokens = family.sequence_length(config, resolution, max_sequence_length, **clip)
+    experts = sizes.get("experts", 1)
+    per_expert = (
+        {"experts": {"resident": experts, "params_each": sizes["params"] // experts, "running_per_step": 1}}
+        if experts > 1
+        else {}
+    )
     return {
         "arch": arch,
         "params": sizes["params"],
+        **per_expert,
         "lora_params": sizes["lora_params"],
         "resolution": resolution,
         "num_frames": num_frames,

@@ -137,7 +137,17 @@ def check_rollout(cfg: TrainConfig, family: ModelFamily) -> None:
 
 def check_family_settings(cfg: TrainConfig, family: ModelFamily) -> None:
     """The family's own rules (a guidance it does not take, a text length its encoder
-    cannot), from the transformer's config: no weights read."""
+    cannot), from the transformer's config: no weights read; expert settings only for a
+    family of experts."""
+    from omni.config.model import EXPERTS
+
+    model = cfg.model
+    if not family.experts and (model.guidance_scale_2 is not None or sorted(model.train_experts) != sorted(EXPERTS)):
+        key = "guidance_scale_2" if model.guidance_scale_2 is not None else "train_experts"
+        raise ConfigError(
+            f"model.{key}={getattr(model, key)}: model.family={family.name} has one transformer, no experts "
+            "(model=wan22 has two)"
+        )
     try:
         family.check_settings(transformer_config(cfg.model, family), cfg.model, cfg.rollout)
     except ValueError as error:

@@ -5,6 +5,7 @@ the docstring of `omni.bench.estimate_memory` and omni/memory.py).
     python scripts/estimate_memory.py --arch sd3.5-large --resolution 1024 --micro-batch 2 \
         --gradient-checkpointing experiment=sd3_flow_grpo model.path=/ckpt/sd3.5-large
     python scripts/estimate_memory.py model=flux trainer.n_workers=8   # FLUX.1-dev/-schnell on 8 GPUs
+    python scripts/estimate_memory.py model=wan22 --resolution 480   # Wan2.2 A14B: both experts resident
 """
 
 from omni.bench.estimate_memory import main

@@ -16,6 +16,9 @@ class DType(str, Enum):
     float16 = "float16"
 
 
+EXPERTS = ("high_noise", "low_noise")
+
+
 @dataclass
 class LoraConfig:
     rank: int = 8
@@ -88,6 +91,11 @@ class ModelConfig:
     # the transformer trains, and the reference, when the algorithm has one, is a frozen copy
     # of the initial transformer.
     lora: Optional[LoraConfig] = field(default_factory=LoraConfig)
+    # A model of two experts switched by noise level (Wan2.2 A14B, model=wan22): the experts
+    # the LoRA trains (high_noise, low_noise; the others run frozen), and the low-noise
+    # expert's guidance scale (null: the rollout's guidance_scale). Other models take neither.
+    train_experts: List[str] = field(default_factory=lambda: list(EXPERTS))
+    guidance_scale_2: Optional[float] = None
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
     def __post_init__(self) -> None:
@@ -96,4 +104,9 @@ class ModelConfig:
         require(
             self.vae_inversion_steps >= 0,
             f"model.vae_inversion_steps={self.vae_inversion_steps} must be >= 0 (0: the VAE's encoder)",
+        )
+        experts = list(self.train_experts)
+        require(
+            bool(experts) and set(experts) <= set(EXPERTS) and len(set(experts)) == len(experts),
+            f"model.train_experts={experts}: expected a non-empty list of distinct names among {list(EXPERTS)}",
         )

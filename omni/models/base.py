@@ -139,6 +139,8 @@ class ModelFamily:
     # Modules a LoRA targets by default, and the pipeline's text encoder attributes.
     lora_targets: Tuple[str, ...] = ()
     text_encoders: Tuple[str, ...] = ()
+    # Experts a transformer holds, switched by noise level (`omni.models.wan22`); () for one.
+    experts: Tuple[str, ...] = ()
     # Whether it makes videos: `decode` gives clips (B, F, 3, H, W), `rollout.num_frames` counts
     # their frames, and rewards must score clips (validation checks both).
     video: bool = False
@@ -182,6 +184,14 @@ class ModelFamily:
         """The family's own rules on the run's `model` and (resolved) `rollout` settings,
         checked before any model loads from the transformer's config alone: a ValueError
         names the key and what the family takes."""
+
+    def apply_settings(self, transformer, model) -> None:
+        """Set the run's `model` settings a loaded transformer needs (a family with experts:
+        which train, their guidance); called on the actor and on an engine's own copy."""
+
+    def guidance_scales(self, transformer, sigmas, guidance_scale: float):
+        """The guidance scale per sample at noise levels `sigmas` (a float: the same for all)."""
+        return guidance_scale
 
     def tiny_resolution_multiple(self) -> int:
         """`resolution_multiple` of the tiny model, known without building it."""
@@ -294,7 +304,8 @@ class ModelFamily:
             return self.velocity_pass(transformer, latents, sigmas, cond)
         if not uncond_grad:
             return self.guided_velocity(transformer, latents, sigmas, cond, guidance_scale)[0]
-        return self.guide(*self.both_passes(transformer, latents, sigmas, cond), guidance_scale)
+        scale = self.guidance_scales(transformer, sigmas, guidance_scale)
+        return self.guide(*self.both_passes(transformer, latents, sigmas, cond), scale)
 
     def velocity_pass(self, transformer, latents, sigmas, cond: Conditioning, negative: bool = False) -> torch.Tensor:
         """One transformer pass on the prompts' conditioning (or, `negative`, on the
@@ -317,13 +328,14 @@ class ModelFamily:
         under gradients, the unconditional pass runs apart without them, or is taken as
         given (`uncond`: the rollout's, while the weights have not changed since); without
         gradients (a rollout keeping it) both passes run as `predict_velocity` runs them."""
+        scale = self.guidance_scales(transformer, sigmas, guidance_scale)
         if uncond is None and not torch.is_grad_enabled():
             text, uncond = self.both_passes(transformer, latents, sigmas, cond)
-            return self.guide(text, uncond, guidance_scale), uncond
+            return self.guide(text, uncond, scale), uncond
         if uncond is None:
             with torch.no_grad():
                 uncond = self.velocity_pass(transformer, latents, sigmas, cond, negative=True)
-        return self.guide(self.velocity_pass(transformer, latents, sigmas, cond), uncond, guidance_scale), uncond
+        return self.guide(self.velocity_pass(transformer, latents, sigmas, cond), uncond, scale), uncond
 
     def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:
         """Latents -> images (B, 3, H, W), or a video family's clips (B, F, 3, H, W), in [0, 1]."""
@@ -343,6 +355,14 @@ class ModelFamily:
             transformer_lora_adapter_metadata=adapter_metadata,
             safe_serialization=True,
         )
+
+    def load_exported_lora(self, pipe, directory: Path, adapter_name: str) -> Dict[str, torch.Tensor]:
+        """Load a directory `save_lora` wrote into `pipe` as its diffusers pipeline does
+        (`load_lora_weights`); returns the adapter's tensors as loaded, in PEFT names."""
+        from peft.utils import get_peft_model_state_dict
+
+        pipe.load_lora_weights(str(directory), adapter_name=adapter_name)
+        return get_peft_model_state_dict(pipe.transformer, adapter_name=adapter_name)
 
     def load_lora(self, directory: Path) -> Dict[str, torch.Tensor]:
         """PEFT-named transformer LoRA tensors of a directory `save_lora` wrote."""

@@ -20,7 +20,7 @@ Sampling follows `WanPipeline.__call__`:
 - decoded clips are (B, F, 3, H, W) in [0, 1] (`decode_clips`: frame chunks of the whole micro-batch).
 
 Wan2.2's Mixture-of-Experts checkpoints (A14B: a high-noise and a low-noise transformer) are
-refused at validation (`check_path`): training both experts is not supported yet.
+the `wan22` family's (`omni.models.wan22`); this family refuses them at validation (`check_path`).
 
 The tiny pipeline has every part a real checkpoint has (WanTransformer3DModel, a UMT5 text
 encoder with a T5 tokenizer of the tiny vocabulary, an AutoencoderKLWan, a flow-matching
@@ -174,14 +174,14 @@ class WanFamily(ModelFamily):
         return 8 * TINY_TRANSFORMER["patch_size"][1]
 
     def check_path(self, path: Optional[str], key: str = "model.path") -> Path:
-        """A diffusers Wan checkpoint with one transformer: Wan2.2 A14B's two experts are refused."""
+        """A diffusers Wan checkpoint with one transformer: Wan2.2 A14B's two experts are model=wan22's."""
         root = super().check_path(path, key)
         index = json.loads((root / "model_index.json").read_text())
         if (index.get("transformer_2") or [None])[0] is not None or index.get("boundary_ratio") is not None:
             raise ValueError(
                 f"{key}={path}: a Wan2.2 Mixture-of-Experts checkpoint (transformer and transformer_2, switched at "
-                f"boundary_ratio={index.get('boundary_ratio')}); training both experts is not supported yet: use a "
-                "single-transformer checkpoint (Wan2.1 T2V 1.3B / 14B, Wan2.2 TI2V-5B)"
+                f"boundary_ratio={index.get('boundary_ratio')}): train it with model=wan22 (model.family=wan22); "
+                "model=wan takes a single-transformer checkpoint (Wan2.1 T2V 1.3B / 14B, Wan2.2 TI2V-5B)"
             )
         return root
 

@@ -157,11 +157,15 @@ def load_diffusers_engine(
     offload_text_encoders: bool = False,
     vae_inversion_steps: int = 0,
     keep_uncond: bool = False,
+    model=None,
 ) -> DiffusersEngine:
     """An engine on the checkpoint at `model_path`, sampling with `actor` when given (its
     own transformer is then never loaded); without `load_base`, its transformer is a dummy
-    of the right shape that the first weight sync fills."""
+    of the right shape that the first weight sync fills. `model`: the run's model settings
+    its own transformer takes (`ModelFamily.apply_settings`)."""
     pipe = family.load_pipeline(model_path, dtype, load_base, without_transformer=actor is not None)
+    if actor is None and model is not None:
+        family.apply_settings(pipe.transformer, model)
     return DiffusersEngine(
         family,
         pipe,
@@ -203,4 +207,5 @@ def build(
         rollout.offload_text_encoders,
         cfg.model.vae_inversion_steps,
         keep_uncond=conditional,
+        model=cfg.model,
     )

@@ -122,6 +122,7 @@ class ActorRolloutWorker:
             init_process_group(self.rank, self.world_size, self.device)
         torch.manual_seed(self.cfg.seed)
         actor = self.family.load_transformer(self.model_path, self.dtype, self.device)
+        self.family.apply_settings(actor, self.cfg.model)
         prefixes = self.cfg.model.fsdp.layer_prefixes
         if self.full_finetuning:
             if self.keep_reference:

@@ -30,7 +30,7 @@ REWARD_NEEDS = {
     ],
 }
 # A video model scores clips and a clip reward needs a video model (validation refuses mixing them).
-VIDEO_MODELS = ("wan", "wan_tiny")
+VIDEO_MODELS = ("wan", "wan_tiny", "wan22", "wan22_tiny")
 VIDEO_REWARDS = ("frame_brightness", "temporal_consistency")
 
 

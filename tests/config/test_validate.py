@@ -355,7 +355,7 @@ def test_wan_frames_default_to_the_model_and_fps_to_its_rate(tmp_path):
     assert validate(compose_config([f"model.cache_dir={tmp_path}"])).rollout.num_frames == 1
 
 
-def test_wan_two_expert_checkpoint_is_refused_with_the_reason(tmp_path, tiny_wan_dir):
+def test_wan_two_expert_checkpoint_is_sent_to_wan22(tmp_path, tiny_wan_dir):
     import json
     import shutil
 
@@ -365,10 +365,32 @@ def test_wan_two_expert_checkpoint_is_refused_with_the_reason(tmp_path, tiny_wan
     (moe / "model_index.json").write_text(
         json.dumps({**index, "transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875})
     )
-    with pytest.raises(
-        ConfigError, match="model.path=.*Mixture-of-Experts.*training both experts is not supported yet"
-    ):
+    with pytest.raises(ConfigError, match="model.path=.*Mixture-of-Experts.*train it with model=wan22"):
         validate(compose_config(["model=wan", f"model.path={moe}", "reward=frame_brightness"]))
+    config = validate(compose_config(["model=wan22", f"model.path={moe}", "reward=frame_brightness"]))
+    assert config.model.family == "wan22" and config.model.train_experts == ["high_noise", "low_noise"]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.train_experts=[middle]", r"model.train_experts=\['middle'\]: expected .* among"),
+        ("model.train_experts=[]", r"model.train_experts=\[\]: expected a non-empty list"),
+    ],
+)
+def test_train_experts_are_range_checked_before_any_model_loads(override, message, monkeypatch):
+    from omni.models.wan22 import FAMILY
+
+    monkeypatch.setattr(FAMILY, "load_transformer", None)
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_config(["model=wan22_tiny", "reward=frame_brightness", override]))
+
+
+def test_expert_settings_are_refused_for_one_transformer():
+    with pytest.raises(ConfigError, match=r"model.train_experts=\['low_noise'\]: model.family=wan has one"):
+        validate(compose_config(["model=wan_tiny", "reward=frame_brightness", "model.train_experts=[low_noise]"]))
+    with pytest.raises(ConfigError, match="model.guidance_scale_2=3.0: the low-noise expert's guidance needs"):
+        validate(compose_config(["model=wan22_tiny", "reward=frame_brightness", "model.guidance_scale_2=3"]))
 
 
 def test_wan_without_path_says_what_to_pass():

@@ -1,10 +1,9 @@
 """What is Wan's own beyond the family contract (tests/models/test_family_contract.py): our
 sampler's ODE clips equal to `WanPipeline.__call__`'s from 5-D latents as its own (and not with
 another shift), the decoding in frame chunks equal to the VAE's whole decoding, the published
-architectures' sizes, and a Wan2.2 two-expert checkpoint refused."""
+architectures' sizes (a Wan2.2 two-expert checkpoint is the wan22 family's: tests/models/test_wan22.py)."""
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -122,20 +121,6 @@ def test_published_architectures_build_on_the_meta_device():
         vae = AutoencoderKLWan()
     assert sum(p.numel() for p in t5.parameters()) == FAMILY.text_encoder_params
     assert sum(p.numel() for p in vae.parameters()) == FAMILY.vae_params
-
-
-def test_two_expert_checkpoint_is_refused(tmp_path, tiny_wan_dir):
-    moe = tmp_path / "a14b"
-    shutil.copytree(tiny_wan_dir, moe, ignore=shutil.ignore_patterns("*.safetensors"))
-    index = json.loads((moe / "model_index.json").read_text())
-    (moe / "model_index.json").write_text(
-        json.dumps({**index, "transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875})
-    )
-    with pytest.raises(
-        ValueError, match="model.path=.*two experts|Mixture-of-Experts.*training both experts is not supported"
-    ):
-        FAMILY.check_path(str(moe))
-    assert FAMILY.check_path(str(tiny_wan_dir)) == tiny_wan_dir
 
 
 def test_conditional_cfg_gradient_leaves_out_the_unconditional_pass(pipe):
