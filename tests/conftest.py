@@ -101,12 +101,3 @@ def training_options(cfg, step: int):
     return ctx.sampling_options(
         ctx.sde_window(step, getattr(algo, "sde_window_size", 0), getattr(algo, "sde_window_range", None))
     )
-
-
-# The longest end-to-end runs start first (the xdist scheduler keeps collection order), so
-# that the rest of the suite runs beside them on the second worker rather than after them.
-LONGEST_FIRST = ("tests/recipes/test_scenes_learning.py",)
-
-
-def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))
