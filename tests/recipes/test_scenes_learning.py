@@ -22,6 +22,7 @@ def paired(summary: dict, score: str):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_diffusion_nft_raises_held_out_scene_accuracy(tmp_path, tiny_cache):
     run = tmp_path / "scenes"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
