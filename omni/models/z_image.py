@@ -41,6 +41,7 @@ from omni.models.base import Conditioning, ModelFamily, vae_decode, vae_encode
 
 # Qwen-Image's written-out byte-level BPE tokenizer is Qwen's own tokenizer class; Z-Image's
 # text encoder is Qwen3, which tokenizes the same way.
+from omni.models.packing import shifted_sigmas
 from omni.models.qwen_image import qwen_tokenizer
 from omni.models.tiny_parts import TINY_VAE_FACTOR, autoencoder_kl, cached_checkpoint, save_pipeline
 
@@ -231,20 +232,8 @@ class ZImageFamily(ModelFamily):
         return ZImagePromptEmbeds(embeds, mask, neg_embeds, neg_mask)
 
     def sigmas(self, pipe, num_steps: int, resolution: int) -> torch.Tensor:
-        """ZImagePipeline's schedule: linspace(1, 1/n, n) through its scheduler, then 0."""
-        from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift
-
-        config = pipe.scheduler.config
-        mu = calculate_shift(
-            (resolution // (pipe.vae_scale_factor * 2)) ** 2,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        sigmas = torch.linspace(1.0, 1 / num_steps, num_steps).tolist()
-        pipe.scheduler.set_timesteps(sigmas=sigmas, mu=mu, device="cpu")
-        return pipe.scheduler.sigmas.float().clone()
+        """ZImagePipeline's schedule: FLUX's, linspace(1, 1/n, n) shifted for the image tokens, then 0."""
+        return shifted_sigmas(pipe, num_steps, resolution)
 
     def initial_latents(
         self, pipe, generators: Sequence[torch.Generator], resolution: int, num_frames: int = 1
