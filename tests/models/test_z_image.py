@@ -107,27 +107,12 @@ def test_train_cli_exports_a_lora_the_pipeline_loads(tmp_path, tiny_cache, tiny_
     """`recipes/train.py model=z_image_tiny` for two Flow-GRPO steps; the checkpoint's LoRA
     loads with ZImagePipeline.load_lora_weights and gives its transformer the velocity of the
     run's LoRA loaded into ours."""
-    from omni.config.model import LoraConfig
-    from omni.weights import add_lora_adapter, load_lora_weights
-    from tests.recipes.test_train import final_lora, train
+    from tests.models.cli_lora import assert_exported_lora_matches
+    from tests.recipes.test_train import train
 
     train(
         tmp_path / "run", tiny_cache, "model=z_image_tiny", "trainer.steps=2", "trainer.batch_size=8",
         "algorithm.group_size=4", "rollout.num_steps=4", "eval.images_per_prompt=1",
     )  # fmt: skip
-    pipe = FAMILY.load_pipeline(tiny_dir, torch.float32)
-    cond = FAMILY.encode_prompts(pipe, PROMPTS, 4.0, 16, "cpu")
     latents = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0))
-    sigmas = torch.tensor([0.9, 0.4])
-    with torch.no_grad():
-        base = FAMILY.predict_velocity(pipe.transformer, latents, sigmas, cond, 4.0)
-        pipe.load_lora_weights(str(tmp_path / "run" / "checkpoints" / "step_000002"))
-        loaded = FAMILY.predict_velocity(pipe.transformer, latents, sigmas, cond, 4.0)
-        reference = FAMILY.load_transformer(tiny_dir, torch.float32)
-        add_lora_adapter(reference, LoraConfig(target_modules=list(FAMILY.lora_targets)))
-        lora = {k.removeprefix("transformer."): v for k, v in final_lora(tmp_path / "run", 2).items()}
-        assert all(any(k.startswith(prefix) for k in lora) for prefix in FAMILY.layer_prefixes)
-        load_lora_weights(reference, lora, "default")
-        expected = FAMILY.predict_velocity(reference, latents, sigmas, cond, 4.0)
-    assert (base - loaded).abs().max() > 1e-6
-    assert torch.allclose(loaded, expected, atol=1e-6)
+    assert_exported_lora_matches(FAMILY, tiny_dir, tmp_path / "run", PROMPTS, latents)
