@@ -28,6 +28,7 @@ from omni.config import CONF_DIR
 from omni.models import FAMILIES, get_family
 from omni.rollout.base import SamplingOptions
 from omni.rollout.sampling import sample_rollout
+from tests.models.log_warnings import WarningMessages
 
 NAMES = FAMILIES.names()
 # a tuple: ZImagePipeline rewrites a prompt list in place (its chat template), so each call gets a copy
@@ -182,15 +183,6 @@ def velocity_inputs(family, pipe, settings, guidance):
     return cond, latents, torch.tensor([0.9, 0.4])
 
 
-class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_exported_lora_loads_into_the_pipeline_as_the_actor_has_it(name, tiny_cache, tmp_path):
     from omni.checkpoint import save_lora
@@ -209,7 +201,7 @@ def test_exported_lora_loads_into_the_pipeline_as_the_actor_has_it(name, tiny_ca
 
     pipe = family.load_pipeline(path, torch.float32)
     cond, latents, sigmas = velocity_inputs(family, pipe, settings, GUIDED)
-    warnings = _Warnings()
+    warnings = WarningMessages()
     logging.getLogger("diffusers").addHandler(warnings)
     try:
         with torch.no_grad():

@@ -19,6 +19,7 @@ from omni.models.wan22 import FAMILY, LOW_NOISE_LORA_FILE, WanExperts, load_both
 from omni.rollout.base import SamplingOptions
 from omni.rollout.sampling import sample_rollout
 from omni.weights import add_lora_adapter, lora_tensors
+from tests.models.log_warnings import WarningMessages
 
 PROMPTS = ["a red cat", "a blue dog with a tree"]
 FRAMES, SIZE = 5, 32
@@ -153,15 +154,6 @@ def test_collect_and_engine_sync_per_expert(tiny_dir, pipe, layered):
     assert torch.allclose(ours, expected, atol=1e-5)
 
 
-class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 @pytest.mark.parametrize("train_experts", [["high_noise", "low_noise"], ["low_noise"]], ids=["both", "low-only"])
 def test_export_loads_into_a_plain_wan_pipeline(tiny_dir, pipe, tmp_path, train_experts):
     """Our export, loaded by `WanPipeline.load_lora_weights` (the second file with
@@ -180,7 +172,7 @@ def test_export_loads_into_a_plain_wan_pipeline(tiny_dir, pipe, tmp_path, train_
     check_lora_file(tmp_path / LOW_NOISE_LORA_FILE, config)
 
     plain = plain_pipeline(tiny_dir)
-    warnings = _Warnings()
+    warnings = WarningMessages()
     logging.getLogger("diffusers").addHandler(warnings)
     try:
         load_both_experts(plain, tmp_path, "exported")
