@@ -75,7 +75,8 @@ class PromptCache:
     def encode(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> Conditioning:
         """One row per prompt (repeats allowed, a GRPO group), on the device."""
         # a family encodes the negative prompt exactly when its guidance takes a second pass
-        keys = [(p, self.family.forward_passes(guidance_scale) > 1, max_sequence_length) for p in prompts]
+        negative = self.family.forward_passes(guidance_scale) > 1
+        keys = [(p, negative, max_sequence_length) for p in prompts]
         missing = [k for k in dict.fromkeys(keys) if k not in self.rows]
         if missing:
             with self._encoders_on_device():
