@@ -23,7 +23,7 @@ import json
 import logging
 from importlib import resources
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -40,16 +40,30 @@ PROMPT_COLUMNS = ("prompt", "prompts", "caption")
 
 
 class Prompt(str):
-    """A prompt's text, with its item's `metadata` and its `origin` ("<file>, line <n>")."""
+    """A prompt's text, with its item's `metadata`, its `origin` ("<file>, line <n>") and, for
+    an edit, its source `images` (files the edit family conditions on, `omni.data.edits`)."""
 
     metadata: Dict[str, Any]
     origin: str
+    images: Tuple[str, ...]
 
-    def __new__(cls, text: str, metadata: Optional[Mapping[str, Any]] = None, origin: str = ""):
+    def __new__(
+        cls,
+        text: str,
+        metadata: Optional[Mapping[str, Any]] = None,
+        origin: str = "",
+        images: Sequence[str] = (),
+    ):
         prompt = super().__new__(cls, text)
         prompt.metadata = dict(metadata or {})
         prompt.origin = origin
+        prompt.images = tuple(str(image) for image in images)
         return prompt
+
+
+def source_images(prompt: str) -> Tuple[str, ...]:
+    """The source images an (edit) prompt conditions on; () for a text-to-image prompt."""
+    return getattr(prompt, "images", ())
 
 
 def resolve_prompt_file(spec: str, key: str) -> Path:

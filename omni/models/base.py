@@ -144,6 +144,11 @@ class ModelFamily:
     # Whether it makes videos: `decode` gives clips (B, F, 3, H, W), `rollout.num_frames` counts
     # their frames, and rewards must score clips (validation checks both).
     video: bool = False
+    # Whether it edits images: each prompt carries its source image(s) (`omni.data.edits`), which
+    # the family encodes into its conditioning beside the instruction, as its pipeline does.
+    edit: bool = False
+    # The most source images one edit takes (its pipeline's limit, or what it was trained on).
+    max_source_images: int = 1
     # Whether the vLLM-Omni engine (rollout=vllm) serves this family; validation refuses it otherwise.
     vllm_served: bool = False
     # vLLM-Omni's own pipeline of the family as `rollout.options.backend=native` extends it (an
@@ -221,6 +226,11 @@ class ModelFamily:
         """The keyword arguments that give the family's diffusers pipeline `__call__` this
         guidance (for comparisons with the plain pipeline)."""
         return {"guidance_scale": guidance_scale}
+
+    def pipeline_sources(self, prompts) -> dict:
+        """The keyword arguments that give the family's diffusers pipeline `__call__` these
+        (edit) prompts' source images, as our rollout conditions on them ({} for text-to-image)."""
+        return {}
 
     # ----------------------------------------------------------------- loading
     def _diffusers(self, name: str):

@@ -27,6 +27,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
+from omni.data.prompts import source_images
 from omni.models.base import Conditioning, ModelFamily
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.ode import ODESolver
@@ -76,7 +77,8 @@ class PromptCache:
         """One row per prompt (repeats allowed, a GRPO group), on the device."""
         # a family encodes the negative prompt exactly when its guidance takes a second pass
         negative = self.family.forward_passes(guidance_scale) > 1
-        keys = [(p, negative, max_sequence_length) for p in prompts]
+        # an edit's conditioning also depends on its source images, not on its text alone
+        keys = [(p, source_images(p), negative, max_sequence_length) for p in prompts]
         missing = [k for k in dict.fromkeys(keys) if k not in self.rows]
         if missing:
             with self._encoders_on_device():

@@ -16,8 +16,10 @@ comes from the registry itself, so a family is held to the whole contract by bei
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -56,6 +58,31 @@ def model_configs(name: str):
 
 def tiny_settings(name: str) -> dict:
     return OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "model" / f"{model_configs(name)[1][0]}.yaml"))
+
+
+def contract_prompts(family) -> list:
+    """PROMPTS as the family takes them: an edit family's each with a source image (a
+    deterministic random picture the size of the tiny model's output, two for the second
+    prompt where the family takes several)."""
+    if not family.edit:
+        return list(PROMPTS)
+    from PIL import Image
+
+    from omni.data.prompts import Prompt
+
+    root = Path(tempfile.gettempdir()) / f"omni-contract-sources-{os.getpid()}"
+    root.mkdir(exist_ok=True)
+    size = tiny_settings(family.name)["resolution"]
+    generator = torch.Generator().manual_seed(11)
+    prompts = []
+    for i, text in enumerate(PROMPTS):
+        paths = []
+        for j in range(1 + (i if family.max_source_images > 1 else 0)):
+            pixels = (torch.rand(size, size, 3, generator=generator) * 255).to(torch.uint8).numpy()
+            paths.append(root / f"source-{i}-{j}.png")
+            Image.fromarray(pixels).save(paths[-1])
+        prompts.append(Prompt(text, origin=f"contract prompt {i}", images=paths))
+    return prompts
 
 
 def tiny_dir(name, tiny_cache) -> Path:
@@ -131,18 +158,20 @@ def ode_sample(family, pipe, guidance_scale, settings):
         STEPS, settings["resolution"], guidance_scale, noise_level=0.7, max_sequence_length=TEXT_LENGTH,
         sde_steps=(0, 0), num_frames=settings.get("num_frames", 1),
     )  # fmt: skip
-    return sample_rollout(family, pipe, list(PROMPTS), SEEDS, options, 4, torch.device("cpu"), torch.float32)
+    prompts = contract_prompts(family)
+    return sample_rollout(family, pipe, prompts, SEEDS, options, 4, torch.device("cpu"), torch.float32)
 
 
 def pipeline_output(family, pipe, guidance_scale, settings):
     """The plain pipeline's images (or clips) for the same prompts, generators and steps."""
     size = settings["resolution"]
     video = {"num_frames": settings["num_frames"]} if family.video else {}
+    prompts = contract_prompts(family)
     # by keyword: Flux2KleinPipeline takes a conditioning image first
     out = pipe(
-        prompt=list(PROMPTS), height=size, width=size, num_inference_steps=STEPS, max_sequence_length=TEXT_LENGTH,
+        prompt=[str(p) for p in prompts], height=size, width=size, num_inference_steps=STEPS, max_sequence_length=TEXT_LENGTH,
         generator=[torch.Generator().manual_seed(s) for s in SEEDS], output_type="pt",
-        **video, **family.pipeline_guidance(guidance_scale),
+        **video, **family.pipeline_guidance(guidance_scale), **family.pipeline_sources(prompts),
     )  # fmt: skip
     return out.frames if family.video else out.images
 
@@ -177,7 +206,7 @@ def random_lora(family, path, exclude=()):
 
 def velocity_inputs(family, pipe, settings, guidance):
     """Conditioning, initial latents (the sampler's own layout) and two noise levels."""
-    cond = family.encode_prompts(pipe, list(PROMPTS), guidance, TEXT_LENGTH, "cpu")
+    cond = family.encode_prompts(pipe, contract_prompts(family), guidance, TEXT_LENGTH, "cpu")
     generators = [torch.Generator().manual_seed(s) for s in SEEDS]
     latents = family.initial_latents(pipe, generators, settings["resolution"], settings.get("num_frames", 1))
     return cond, latents, torch.tensor([0.9, 0.4])

@@ -49,3 +49,16 @@ def test_least_recently_used_prompts_are_dropped(diffusers_engine):
     assert [key[0] for key in cache.rows] == ["a red cat", "a green tree"]
     cache.encode(["a blue dog"], 1.0, 16)
     assert cache.encoded == 4
+
+
+def test_one_instruction_on_two_sources_is_two_entries(diffusers_engine):
+    """An edit's conditioning depends on its source images: the same instruction on another
+    source is encoded again, on the same source it is reused."""
+    from omni.data.prompts import Prompt
+
+    cache = PromptCache(FAMILY, diffusers_engine.pipe, "cpu", offload=False)
+    on_a, on_b = Prompt("make it red", images=["a.png"]), Prompt("make it red", images=["b.png"])
+    cache.encode([on_a, on_b, Prompt("make it red", images=["a.png"])], 1.0, 16)
+    assert cache.encoded == 2
+    cache.encode(["make it red"], 1.0, 16)  # the text alone is a third entry
+    assert cache.encoded == 3
