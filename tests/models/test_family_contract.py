@@ -168,8 +168,9 @@ def pipeline_output(family, pipe, guidance_scale, settings):
     video = {"num_frames": settings["num_frames"]} if family.video else {}
     prompts = contract_prompts(family)
     # by keyword: Flux2KleinPipeline takes a conditioning image first
+    texts = [str(p) for p in prompts]
     out = pipe(
-        prompt=[str(p) for p in prompts], height=size, width=size, num_inference_steps=STEPS, max_sequence_length=TEXT_LENGTH,
+        prompt=texts, height=size, width=size, num_inference_steps=STEPS, max_sequence_length=TEXT_LENGTH,
         generator=[torch.Generator().manual_seed(s) for s in SEEDS], output_type="pt",
         **video, **family.pipeline_guidance(guidance_scale), **family.pipeline_sources(prompts),
     )  # fmt: skip
