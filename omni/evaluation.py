@@ -26,7 +26,8 @@ import torch
 from tqdm import tqdm
 
 from omni.context import step_seeds
-from omni.data.prompts import Prompt, load_prompts
+from omni.data.prompt_sets import load_prompt_set
+from omni.data.prompts import Prompt
 from omni.rewards import WeightedReward, reward_options
 from omni.rollout.base import SamplingOptions, run_sampling_options
 from omni.rollout.sde import noisy_steps
@@ -49,7 +50,7 @@ def prompt_source(cfg) -> Tuple[str, str]:
 
 def load_eval_prompts(cfg) -> List[Prompt]:
     spec, key = prompt_source(cfg)
-    prompts = load_prompts(spec, key, cfg.data.skip_bad_rows)
+    prompts = load_prompt_set(spec, key, cfg.data.skip_bad_rows)
     if key == "data.train":
         cap = cfg.eval.max_images
         logger.warning(

@@ -266,7 +266,7 @@ def check_config(cfg, family) -> None:
     (images or clips), with what it needs of every held-out prompt; a rule that can fire; and
     for a rollback, checkpoints saved at evaluations."""
     from omni.config.errors import ConfigError, require
-    from omni.data.prompts import load_prompts
+    from omni.data.prompt_sets import load_prompt_set
     from omni.evaluation import prompt_source
     from omni.rewards import REWARDS, reward_options
 
@@ -287,7 +287,7 @@ def check_config(cfg, family) -> None:
             f"{'clips' if family.video else 'images'}",
         )
     spec, key = prompt_source(cfg)
-    prompts = load_prompts(spec, key, cfg.data.skip_bad_rows) if sentinel.gold else []
+    prompts = load_prompt_set(spec, key, cfg.data.skip_bad_rows) if sentinel.gold else []
     for name, options in sentinel.gold.items():
         for prompt in prompts:
             problem = REWARDS.get(name).prompt_problem(options, prompt)

@@ -31,7 +31,7 @@ from omni.atomic import write_text
 from omni.config import TrainConfig
 from omni.config.errors import ConfigError, require
 from omni.context import StepContext
-from omni.data.prompts import load_prompts
+from omni.data.prompt_sets import load_prompt_set
 from omni.ema import LoraEMA
 from omni.evaluation import EvalResult, Evaluator, load_eval_prompts
 from omni.loggers import MetricsLogger
@@ -91,7 +91,7 @@ class Trainer:
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_dir = self.output_dir / "checkpoints"
         self.family = get_family(cfg.model.family)
-        train_prompts = load_prompts(cfg.data.train, "data.train", cfg.data.skip_bad_rows)
+        train_prompts = load_prompt_set(cfg.data.train, "data.train", cfg.data.skip_bad_rows)
         reward = WeightedReward(cfg.reward.components, cfg.reward.batch_size, cfg.reward.nonfinite)
         self.ctx = StepContext(cfg, self.family, train_prompts, load_eval_prompts(cfg), reward)
         self.evaluator = Evaluator(cfg, self.ctx)

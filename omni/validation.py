@@ -33,7 +33,8 @@ from omni.config.errors import ConfigError, require
 from omni.config.eval import moved_key_message
 from omni.config.model import DType
 from omni.config.reward import Aggregation
-from omni.data.prompts import load_prompts
+from omni.data.prompt_sets import load_prompt_set
+from omni.data.prompts import source_images
 from omni.evaluation import prompt_source
 from omni.known_bad import check_known_bad
 from omni.memory import check_memory, resolve_fsdp_version
@@ -332,10 +333,11 @@ def check_reward_kinds(reward, family: ModelFamily) -> None:
             )
 
 
-def check_prompts(cfg: TrainConfig) -> None:
-    """Each prompt file loads, and each prompt has what every reward component needs of it
-    (the OCR target text, GenEval's objects), and each evaluation prompt what `eval.rewards`
-    need: the first that lacks it is named, with its line."""
+def check_prompts(cfg: TrainConfig, family: ModelFamily) -> None:
+    """Each prompt file loads, its prompts are edits exactly when the family edits (within its
+    number of sources), each prompt has what every reward component needs of it (the OCR
+    target text, GenEval's objects, an edit's target), and each evaluation prompt what
+    `eval.rewards` need: the first that lacks it is named, with its line."""
     data, components = cfg.data, cfg.reward.components
     extra = {name: reward_options(name, {}, "eval.rewards") for name in cfg.eval.rewards if name not in components}
     _, eval_key = prompt_source(cfg)
@@ -343,9 +345,11 @@ def check_prompts(cfg: TrainConfig) -> None:
         if spec is None:
             continue
         try:
-            prompts = load_prompts(spec, key, data.skip_bad_rows)
+            prompts = load_prompt_set(spec, key, data.skip_bad_rows)
         except (OSError, ValueError) as error:
             raise ConfigError(str(error)) from None
+        for prompt in prompts:
+            check_sources(prompt, f"{key}={spec}", family)
         needs = [("reward.components", components)] + ([("eval.rewards", extra)] if key == eval_key else [])
         for where, rewards in needs:
             for name, options in rewards.items():
@@ -357,6 +361,26 @@ def check_prompts(cfg: TrainConfig) -> None:
                         f"{key}={spec}: {prompt.origin}: {where}.{name} needs {problem}; "
                         f"the prompt is {str(prompt)[:100]!r}",
                     )
+
+
+def check_sources(prompt, where: str, family: ModelFamily) -> None:
+    """An edit family's prompt has between one and `family.max_source_images` source images,
+    a text-to-image family's none."""
+    count = len(source_images(prompt))
+    at = f"{where}: {prompt.origin}" if getattr(prompt, "origin", "") else where
+    if family.edit:
+        require(
+            1 <= count <= family.max_source_images,
+            f"{at}: model.family={family.name} edits images and takes 1 to {family.max_source_images} source "
+            f"image(s) a prompt; this one has {count} (an edit set row names them in 'image' or 'images': "
+            "omni/data/edits.py)",
+        )
+    else:
+        require(
+            count == 0,
+            f"{at}: the prompt has source images but model.family={family.name} makes images from text; "
+            "train an edit family on edit data (e.g. model=flux_kontext_tiny)",
+        )
 
 
 def check_eval(cfg: TrainConfig, family: ModelFamily) -> None:
@@ -491,7 +515,7 @@ def check(cfg: TrainConfig, family: ModelFamily) -> None:
     check_aggregation(cfg)
     check_reward_kinds(cfg.reward, family)
     check_eval(cfg, family)
-    check_prompts(cfg)
+    check_prompts(cfg, family)
     check_sentinel(cfg, family)
 
 
