@@ -5,6 +5,11 @@
     POST /score     {"prompts": [str], "metadata": [object], "images": [base64 PNG]}
                  -> {"scores": [number]}                      one per image, in order
 
+An edit's request also has "sources" ([[base64 image]], each prompt's source images) and
+"targets" ([base64 image or null]); the server keeps them as files
+(`omni.data.edits.stored_image`) so its rewards read them as they would locally, and the
+local path of a target stays out of the metadata sent.
+
 Images cross as 8-bit RGB PNG (lossless for 8-bit data, a few KB each), so the server sees
 exactly `quantize(images)`: the in-process reward scores those same values.
 """
@@ -15,13 +20,15 @@ import base64
 import binascii
 import io
 import json
+from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 import torch
 from PIL import Image
 
-from omni.data.prompts import Prompt
+from omni.data.edits import BadEdit, image_store, stored_image
+from omni.data.prompts import Prompt, source_images
 
 
 def to_uint8(image: torch.Tensor) -> np.ndarray:
@@ -52,12 +59,37 @@ def decode_image(text: str, index: int) -> torch.Tensor:
 
 
 def score_request(images: torch.Tensor, prompts: Sequence[str]) -> Dict[str, Any]:
-    """The body of POST /score for a batch (prompts' metadata included)."""
-    return {
+    """The body of POST /score for a batch (prompts' metadata, and edits' sources, included)."""
+    metadata = [getattr(p, "metadata", {}) for p in prompts]
+    body = {
         "prompts": [str(p) for p in prompts],
-        "metadata": [getattr(p, "metadata", {}) for p in prompts],
+        "metadata": [{k: v for k, v in m.items() if k != "target"} for m in metadata],
         "images": [encode_image(image) for image in images],
     }
+    if any(source_images(p) for p in prompts):
+        body["sources"] = [[file_base64(path) for path in source_images(p)] for p in prompts]
+        body["targets"] = [file_base64(m["target"]) if "target" in m else None for m in metadata]
+    return body
+
+
+def file_base64(path: str) -> str:
+    return base64.b64encode(Path(path).read_bytes()).decode("ascii")
+
+
+def _edit_images(body: Dict[str, Any], count: int, store: Path) -> Tuple[List[List[str]], List[Any]]:
+    """The request's source and target images as files in `store` (none for a text prompt)."""
+    sources, targets = body.get("sources") or [[]] * count, body.get("targets") or [None] * count
+    if not isinstance(sources, list) or len(sources) != count or not isinstance(targets, list) or len(targets) != count:
+        raise ValueError(f"'sources' and 'targets' must be lists with one entry per prompt ({count})")
+
+    def stored(text: Any, where: str) -> str:
+        try:
+            return stored_image(base64.b64decode(text, validate=True), Path("."), where, store)
+        except (binascii.Error, TypeError, BadEdit) as error:
+            raise ValueError(f"{where} is not a base64 image ({error})") from None
+
+    files = [[stored(t, f"sources[{i}][{j}]") for j, t in enumerate(s or [])] for i, s in enumerate(sources)]
+    return files, [None if t is None else stored(t, f"targets[{i}]") for i, t in enumerate(targets)]
 
 
 def parse_score_request(body: Any) -> Tuple[torch.Tensor, List[Prompt]]:
@@ -76,7 +108,11 @@ def parse_score_request(body: Any) -> Tuple[torch.Tensor, List[Prompt]]:
     if len({tuple(image.shape) for image in decoded}) > 1:
         raise ValueError(f"images of one request must share a size; got {sorted({tuple(i.shape) for i in decoded})}")
     batch = torch.stack(decoded) if decoded else torch.zeros(0, 3, 1, 1)
-    return batch, [Prompt(p, m, origin=f"request prompt {i}") for i, (p, m) in enumerate(zip(prompts, metadata))]
+    sources, targets = _edit_images(body, len(prompts), image_store())
+    return batch, [
+        Prompt(p, {**m, **({"target": t} if t else {})}, f"request prompt {i}", s)
+        for i, (p, m, s, t) in enumerate(zip(prompts, metadata, sources, targets))
+    ]
 
 
 def parse_scores(body: Any, expected: int) -> torch.Tensor:

@@ -15,6 +15,13 @@ class ScoreRequest(BaseModel):
     metadata: Optional[List[Dict[str, Any]]] = Field(
         None, description="each prompt's metadata (e.g. GenEval's tag and include), one object per prompt; default: {}"
     )
+    sources: Optional[List[List[str]]] = Field(
+        None,
+        description="an edit's source images (base64 PNG or JPEG), a list per prompt; default: none (text-to-image)",
+    )
+    targets: Optional[List[Optional[str]]] = Field(
+        None, description="an edit's target image (base64) or null, one per prompt; default: none"
+    )
 
 
 class ScoreResponse(BaseModel):

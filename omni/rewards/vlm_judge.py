@@ -2,7 +2,8 @@
 API such as vLLM or SGLang serve for Qwen2.5-VL or UnifiedReward.
 
 Each image is one chat request (`concurrency` at a time): the image as a PNG data URL and
-`question`, with `{prompt}` replaced by the image's prompt. The score is the first group of
+`question`, with `{prompt}` replaced by the image's prompt; an edit's request sends its source
+image(s) first, then the result, with `edit_question`. The score is the first group of
 `score_pattern` found in the answer, divided by `scale` (0-10 -> 0-1 by default). An answer
 with no score is counted and logged with its text and the image gets NaN, so
 `reward.nonfinite` decides (stop, or leave it out with `drop`); it never becomes a 0.
@@ -25,12 +26,20 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import MISSING
+from PIL import Image
 
+from omni.data.prompts import source_images
 from omni.rewards.base import Reward
-from omni.rewards.protocol import encode_image
+from omni.rewards.protocol import encode_image, file_base64
 from omni.rewards.retrying import RemoteOptions, RetryingClient, check_remote_options, served_by
 
 logger = logging.getLogger(__name__)
+
+
+def mime_type(path: str) -> str:
+    """The image's MIME type from its content (files of an edit set may have any name)."""
+    with Image.open(path) as image:
+        return Image.MIME.get(image.format, "image/png")
 
 
 @dataclass
@@ -41,6 +50,12 @@ class VlmJudgeOptions(RemoteOptions):
     # The question asked with each image; {prompt} becomes the image's prompt.
     question: str = (
         'Rate from 0 to 10 how well this image matches the description "{prompt}". Answer with the number only.'
+    )
+    # The question for an edit (a prompt with source images, sent before the result);
+    # {prompt} becomes the instruction.
+    edit_question: str = (
+        'The first image(s) are the source; the last is the result of the edit "{prompt}". Rate from 0 to 10 how '
+        "well the result carries out the edit while keeping everything else of the source. Answer with the number only."
     )
     # A regular expression whose first group is the score in the answer.
     score_pattern: str = r"(-?\d+(?:\.\d+)?)"
@@ -108,11 +123,12 @@ class VlmJudge(Reward):
             self.client = None
 
     def chat_request(self, image: torch.Tensor, prompt: str) -> Dict[str, Any]:
-        question = self.options.question.format(prompt=str(prompt))
-        content = [
-            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{encode_image(image)}"}},
-            {"type": "text", "text": question},
-        ]
+        sources = source_images(prompt)
+        question = (self.options.edit_question if sources else self.options.question).format(prompt=str(prompt))
+        urls = [f"data:{mime_type(path)};base64,{file_base64(path)}" for path in sources]
+        urls.append(f"data:image/png;base64,{encode_image(image)}")
+        content = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+        content.append({"type": "text", "text": question})
         return {
             "model": self.options.model,
             "messages": [{"role": "user", "content": content}],

@@ -275,7 +275,7 @@ def test_docs_describe_the_protocol_and_a_bad_body_is_refused_naming_the_field()
         spec = httpx.get(f"{url}/openapi.json").json()
         assert httpx.get(f"{url}/docs").status_code == 200
         schemas = spec["components"]["schemas"]
-        assert set(schemas["ScoreRequest"]["properties"]) == {"prompts", "images", "metadata"}
+        assert set(schemas["ScoreRequest"]["properties"]) == {"prompts", "images", "metadata", "sources", "targets"}
         assert schemas["ScoreResponse"]["properties"]["scores"]["type"] == "array"
         assert spec["paths"]["/score"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
             "/ScoreRequest"
@@ -289,3 +289,25 @@ def test_docs_describe_the_protocol_and_a_bad_body_is_refused_naming_the_field()
         )
         answer = httpx.post(f"{url}/score", json=score_request(IMAGES[:2], PROMPTS[:2]))  # the client's body, unchanged
         assert answer.status_code == 200 and len(answer.json()["scores"]) == 2
+
+
+def test_served_edit_rewards_get_the_sources_and_targets_and_score_as_in_process():
+    """Edits cross with their source and target images (not the client's local paths): the
+    served edit rewards score them as in process."""
+    from omni.data.prompt_sets import load_prompt_set
+    from omni.rewards.edit_regions import references
+
+    edits = load_prompt_set("omni:recolor_eval")[:4]
+    images = torch.stack([references(e, (64, 64))[k % 2] for k, e in enumerate(edits)])  # source, target, ...
+    body = score_request(images, edits)
+    assert all("target" not in m for m in body["metadata"]) and len(body["sources"]) == len(body["targets"]) == 4
+    served = WeightedReward({"edit_target": {}, "edit_consistency": {}})
+    with uvicorn_server(build_app(served)) as url:
+        remote = WeightedReward({"http": {"url": url, "batch_size": 3}})
+        remote.setup()
+        try:
+            scores = remote(images, edits)["http"]
+        finally:
+            remote.teardown()
+    assert torch.equal(scores, served(quantize(images), edits)["reward"])
+    assert scores[1] > scores[0]  # the target beats the untouched source

@@ -121,3 +121,31 @@ def test_bad_options_are_named(options, message):
     values = reward_options("vlm_judge", {"url": "http://127.0.0.1:1/v1", "model": "m", **options})
     with pytest.raises(ValueError, match=f"reward.components.vlm_judge.{message}"):
         VlmJudge.check_options(values, "reward.components.vlm_judge")
+
+
+def test_an_edit_is_judged_with_its_source_before_the_result():
+    from omni.data.prompt_sets import load_prompt_set
+
+    edit = load_prompt_set("omni:recolor_eval")[0]
+    seen = []
+    app = fastapi.FastAPI()
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": "brightness-judge", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    def chat(body: dict):
+        seen.append(body)
+        return {
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "7"}}],
+        }
+
+    with uvicorn_server(app) as url:
+        assert judge(url).score(IMAGES[:1], [edit]).tolist() == [pytest.approx(0.7)]
+    source_part, result_part, text_part = seen[0]["messages"][0]["content"]
+    with open(edit.images[0], "rb") as stream:
+        assert source_part["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(stream.read()).decode()
+    assert result_part["image_url"]["url"].startswith("data:image/png;base64,")
+    assert f'result of the edit "{edit}"' in text_part["text"]
