@@ -227,9 +227,11 @@ class ModelFamily:
         guidance (for comparisons with the plain pipeline)."""
         return {"guidance_scale": guidance_scale}
 
-    def pipeline_sources(self, prompts) -> dict:
+    def pipeline_sources(self, prompts, resolution: int) -> dict:
         """The keyword arguments that give the family's diffusers pipeline `__call__` these
-        (edit) prompts' source images, as our rollout conditions on them ({} for text-to-image)."""
+        (edit) prompts' source images, as our rollout conditions on them, for an output
+        `resolution` pixels square (a pipeline may size its output from more than `height`
+        and `width`); {} for text-to-image."""
         return {}
 
     # ----------------------------------------------------------------- loading

@@ -225,16 +225,23 @@ class FluxFamily(ModelFamily):
             guidance = torch.full(
                 (latents.shape[0],), float(guidance_scale), device=latents.device, dtype=torch.float32
             )
+        hidden_states, ids = self.image_tokens(latents, cond)
         return transformer(
-            hidden_states=latents,
+            hidden_states=hidden_states,
             timestep=sigmas,
             guidance=guidance,
             pooled_projections=cond.pooled,
             encoder_hidden_states=cond.embeds,
             txt_ids=torch.zeros(cond.embeds.shape[1], 3, device=latents.device, dtype=latents.dtype),
-            img_ids=image_ids(latents.shape[1], latents.device, latents.dtype),
+            img_ids=ids,
             return_dict=False,
-        )[0].float()
+        )[0][:, : latents.shape[1]].float()
+
+    def image_tokens(self, latents: torch.Tensor, cond: FluxPromptEmbeds):
+        """The transformer's image tokens and their positions: the packed latents alone for
+        FLUX.1 (a family that appends reference tokens, FLUX.1 Kontext, adds them here; the
+        velocity is the output at the latents' own tokens)."""
+        return latents, image_ids(latents.shape[1], latents.device, latents.dtype)
 
     def decode(self, pipe, latents: torch.Tensor, resolution: int) -> torch.Tensor:
         return vae_decode(pipe.vae, unpack(latents))

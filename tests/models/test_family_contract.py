@@ -172,7 +172,7 @@ def pipeline_output(family, pipe, guidance_scale, settings):
     out = pipe(
         prompt=texts, height=size, width=size, num_inference_steps=STEPS, max_sequence_length=TEXT_LENGTH,
         generator=[torch.Generator().manual_seed(s) for s in SEEDS], output_type="pt",
-        **video, **family.pipeline_guidance(guidance_scale), **family.pipeline_sources(prompts),
+        **video, **family.pipeline_guidance(guidance_scale), **family.pipeline_sources(prompts, size),
     )  # fmt: skip
     return out.frames if family.video else out.images
 
