@@ -28,6 +28,10 @@ from PIL import Image
 from omni import scenes
 
 SIZE = 64
+# Shapes and colours whose names the tiny models' tokenizers hold as single tokens
+# (omni.models.tiny_parts.TINY_WORDS), so an instruction fits their 16-token context whole.
+SHAPES = ("circle", "square")
+COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "black", "white")
 # The shipped sets: name -> (edits, seed). Train and eval draw from the same distribution
 # with other seeds (a scene of two coloured shapes has ~1,800 colourings of ~25 shape pairs).
 SHIPPED = {"recolor_train": (96, 0), "recolor_eval": (32, 1)}
@@ -35,11 +39,13 @@ IMAGE_DIR = "recolor"
 
 
 def recolor_edit(rng: np.random.Generator, size: int = SIZE, seed: int = 0) -> Tuple[str, torch.Tensor, torch.Tensor]:
-    """(instruction, source, target) for one random two-object scene; images (3, size, size)."""
-    metadata = scenes.sample_metadata(rng, "color_attr")
-    scene = scenes.layout(metadata, size, seed)
-    shape, old, box = scene[0]
-    new = [c for c in scenes.COLORS if c not in (old, scene[1][1])][int(rng.integers(len(scenes.COLORS) - 2))]
+    """(instruction, source, target) for one random scene of a circle and a square in two
+    colours, one of them recoloured to a third; images (3, size, size)."""
+    shapes = [SHAPES[int(i)] for i in rng.permutation(len(SHAPES))]  # a scene names each shape once
+    old, other, new = (COLORS[int(i)] for i in rng.permutation(len(COLORS))[:3])
+    include = [{"class": shape, "count": 1, "color": color} for shape, color in zip(shapes, (old, other))]
+    scene = scenes.layout({"tag": "color_attr", "include": include}, size, seed)
+    shape = scene[0][0]
     objects = [(s, c, 0) for s, c, _ in scene]
     boxes = [b for _, _, b in scene]
     source = scenes.draw(objects, boxes, size)
