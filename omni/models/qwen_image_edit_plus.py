@@ -196,7 +196,11 @@ def encode_sources(pipe, images, device):
 
 def encode_edit(pipe, prompt: str, negative: bool, device) -> QwenEditConditioning:
     """One edit prompt's conditioning (its sources opened, or an error naming its origin)."""
-    conditions, sources, grids = encode_sources(pipe, open_sources(prompt), device)
+    images = open_sources(prompt)
+    if len(images) > FAMILY.max_source_images:
+        where = getattr(prompt, "origin", "") or repr(str(prompt)[:60])
+        raise ValueError(f"{where}: Qwen-Image-Edit-Plus takes at most {FAMILY.max_source_images} source images")
+    conditions, sources, grids = encode_sources(pipe, images, device)
 
     def encoded(text):  # the hidden states and a mask (the pipeline's is None when all are real)
         embeds, mask = pipe.encode_prompt(prompt=text, image=conditions, device=device)

@@ -106,6 +106,18 @@ def test_sampled_images_follow_the_source(pipe, sources):
     assert (images(sources[0]) - images(sources[1])).abs().max() > 1e-3
 
 
+def test_the_template_system_part_is_the_pipelines_dropped_tokens(pipe):
+    """The tiny tokenizer spells the edit template's system part in as many tokens as the
+    pipeline drops, so only the instruction's (and pictures') hidden states are kept."""
+    system = pipe.prompt_template_encode.split("{}")[0]
+    assert len(pipe.tokenizer(system)["input_ids"]) == pipe.prompt_template_encode_start_idx == 64
+
+
+def test_more_sources_than_the_family_takes_fail_naming_the_origin(pipe, sources):
+    with pytest.raises(ValueError, match="edits.jsonl, line 1: .* at most 3 source images"):
+        FAMILY.encode_prompts(pipe, [edit(sources)], GUIDED, 16, "cpu")
+
+
 def test_rollout_vllm_is_refused_naming_the_family():
     from omni.config.errors import ConfigError
     from omni.validation import validate
