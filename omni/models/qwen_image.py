@@ -108,14 +108,14 @@ def bpe(symbols: List[str], ranks: dict) -> List[str]:
     return symbols
 
 
-def qwen_vocabulary():
+def qwen_vocabulary(template_words=TEMPLATE_WORDS):
     """Vocabulary and merges written out (never trained, so identical in every process): the
     256 byte symbols, then every tiny and template word, bare and after a space (`Ġ`), given
     the merges that make it one token after the merges before it."""
     alphabet = byte_alphabet()
     space = alphabet[ord(" ")]
     vocab, ranks = list(alphabet), {}
-    for word in dict.fromkeys(TEMPLATE_WORDS + TINY_WORDS):
+    for word in dict.fromkeys(list(template_words) + TINY_WORDS):
         for form in (word, space + word):
             symbols = bpe(list(form), ranks)
             while len(symbols) > 1:
@@ -126,10 +126,11 @@ def qwen_vocabulary():
     return {token: i for i, token in enumerate(dict.fromkeys(vocab))}, list(ranks)
 
 
-def qwen_tokenizer():
+def qwen_tokenizer(template_words=TEMPLATE_WORDS):
+    """The tiny tokenizer whose words (a pipeline's chat template's) are one token each."""
     from transformers import Qwen2Tokenizer
 
-    vocab, merges = qwen_vocabulary()
+    vocab, merges = qwen_vocabulary(template_words)
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=32768)
     tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
     return tokenizer

@@ -167,14 +167,18 @@ def pipeline_output(family, pipe, guidance_scale, settings):
     size = settings["resolution"]
     video = {"num_frames": settings["num_frames"]} if family.video else {}
     prompts = contract_prompts(family)
-    # by keyword: Flux2KleinPipeline takes a conditioning image first
-    texts = [str(p) for p in prompts]
-    out = pipe(
-        prompt=texts, height=size, width=size, num_inference_steps=STEPS, max_sequence_length=TEXT_LENGTH,
-        generator=[torch.Generator().manual_seed(s) for s in SEEDS], output_type="pt",
-        **video, **family.pipeline_guidance(guidance_scale), **family.pipeline_sources(prompts, size),
-    )  # fmt: skip
-    return out.frames if family.video else out.images
+    # an edit pipeline takes a prompt's own sources: one call per prompt
+    calls = [([p], [s]) for p, s in zip(prompts, SEEDS)] if family.edit else [(prompts, SEEDS)]
+    outputs = []
+    for batch, seeds in calls:
+        # by keyword: Flux2KleinPipeline takes a conditioning image first
+        out = pipe(
+            prompt=[str(p) for p in batch], height=size, width=size, num_inference_steps=STEPS,
+            max_sequence_length=TEXT_LENGTH, generator=[torch.Generator().manual_seed(s) for s in seeds],
+            output_type="pt", **video, **family.pipeline_guidance(guidance_scale), **family.pipeline_sources(batch, size),
+        )  # fmt: skip
+        outputs.append(out.frames if family.video else out.images)
+    return torch.cat(outputs)
 
 
 @pytest.mark.parametrize("guided", [False, True], ids=["tiny-guidance", "guided"])
