@@ -175,7 +175,8 @@ def pipeline_output(family, pipe, guidance_scale, settings):
         out = pipe(
             prompt=[str(p) for p in batch], height=size, width=size, num_inference_steps=STEPS,
             max_sequence_length=TEXT_LENGTH, generator=[torch.Generator().manual_seed(s) for s in seeds],
-            output_type="pt", **video, **family.pipeline_guidance(guidance_scale), **family.pipeline_sources(batch, size),
+            output_type="pt", **video, **family.pipeline_guidance(guidance_scale),
+            **family.pipeline_sources(batch, size),
         )  # fmt: skip
         outputs.append(out.frames if family.video else out.images)
     return torch.cat(outputs)
