@@ -23,8 +23,10 @@ def test_experiment_composes_and_validates(name, tiny_cache, tmp_path):
     from omni.models import get_family
 
     overrides = [f"experiment={name}", f"model.cache_dir={tiny_cache}"]
-    if name in PUBLISHED:  # a published run's preset asks for the user's prompts (see below)
-        overrides.append("data.train=omni:colors_train")
+    cfg = compose_config(overrides, tmp_path)
+    if name in PUBLISHED:  # a published run's preset asks for the user's prompts (see below), or edits
+        edits = get_family(cfg.model.family).edit
+        overrides.append(f"data.train=omni:{'recolor_train' if edits else 'colors_train'}")
     cfg = compose_config(overrides, tmp_path)
     if cfg.model.tiny_seed is None:
         # a preset for a real model needs a checkpoint: its family's tiny one has the same layout
