@@ -8,6 +8,8 @@ can learn the task from the rewards alone, and a learning test can measure it.
 
     recolor_edit(rng, size, seed)   one edit: (instruction, source image, target image)
     write_recolor_set(dir, n, seed) an edit set (JSONL and PNGs) `data.train` reads
+    write_recolor_pairs(dir, n, seed) edit preference pairs (the edit done over the source
+                                    left as it is) for offline DPO, `data.pairs`
 
 The shipped sets (omni/assets/recolor_train.jsonl, recolor_eval.jsonl and their images under
 omni/assets/recolor/) are `write_recolor_set`'s output for `SHIPPED`:
@@ -58,9 +60,10 @@ def to_png(image: torch.Tensor, path: Path) -> None:
     Image.fromarray(pixels).save(path, optimize=True)
 
 
-def write_recolor_set(out_dir: Path, name: str, n: int, seed: int, size: int = SIZE) -> Path:
+def write_recolor_set(out_dir: Path, name: str, n: int, seed: int, size: int = SIZE, pairs: bool = False) -> Path:
     """`n` edits as `<out_dir>/<name>.jsonl`, images under `<out_dir>/recolor/` (paths in the
-    rows are relative to the JSONL's folder, as edit sets take them)."""
+    rows are relative to the JSONL's folder, as edit sets take them); `pairs`: as preference
+    pairs instead, the target `chosen` over the unedited source `rejected`."""
     out_dir = Path(out_dir)
     (out_dir / IMAGE_DIR).mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -70,7 +73,15 @@ def write_recolor_set(out_dir: Path, name: str, n: int, seed: int, size: int = S
         source_path, target_path = (f"{IMAGE_DIR}/{name}-{i:03d}-{kind}.png" for kind in ("source", "target"))
         to_png(source, out_dir / source_path)
         to_png(target, out_dir / target_path)
-        rows.append({"prompt": instruction, "image": source_path, "target": target_path})
+        if pairs:
+            rows.append({"prompt": instruction, "image": source_path, "chosen": target_path, "rejected": source_path})
+        else:
+            rows.append({"prompt": instruction, "image": source_path, "target": target_path})
     path = out_dir / f"{name}.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+def write_recolor_pairs(out_dir: Path, name: str, n: int, seed: int, size: int = SIZE) -> Path:
+    """`write_recolor_set` as preference pairs."""
+    return write_recolor_set(out_dir, name, n, seed, size, pairs=True)

@@ -78,6 +78,7 @@ class PairData:
         self.cfg, self.key = cfg, key
         family = get_family(cfg.model.family)
         self.source: PairSource = open_pair_source(data.pairs, key, cfg.rollout.num_frames if family.video else None)
+        self.source.edit = family.edit
         self.cache: Optional[latent_cache.LatentCache] = None
         self.first_bad: Optional[str] = None
         self.conditioning = family.conditioning

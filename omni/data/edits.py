@@ -15,37 +15,30 @@ directory. A row holds
   * anything else: the item's metadata.
 An image is a path (relative to the JSONL file's folder, or absolute), raw bytes, or a
 `datasets` Image ({"bytes", "path"}). Bytes are written once to a file named by their hash
-under `<OMNI_CACHE_DIR>/edit-images/`, so every process reads sources from files. Every row is
-read and every image checked to be whole when the set loads, before any model: a bad row is
-an error naming its file and line (or row), or with `skip_bad_rows` is skipped and logged.
+under `<OMNI_CACHE_DIR>/edit-images/` (`omni.data.image_files`), so every process reads
+sources from files. Every row is read and every image checked to be whole when the set loads,
+before any model: a bad row is an error naming its file and line (or row), or with
+`skip_bad_rows` is skipped and logged.
 """
 
 from __future__ import annotations
 
 import glob
-import hashlib
-import io
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from PIL import Image
 
+from omni.data.image_files import SOURCE_COLUMNS, BadImage, image_store, source_paths, stored_image
 from omni.data.pair_sources import open_pair_source
 from omni.data.prompts import Prompt, source_images
 
 logger = logging.getLogger(__name__)
 
 INSTRUCTION_COLUMNS = ("prompt", "instruction", "edit_prompt")
-SOURCE_COLUMNS = ("images", "image", "source_image", "input_image")
 TARGET_COLUMNS = ("target", "edited_image", "output_image")
-STORE_ENV, STORE_DEFAULT, STORE_NAME = "OMNI_CACHE_DIR", "~/.cache/omni-recipes", "edit-images"
-
-
-class BadEdit(ValueError):
-    """A row that is no edit (its message says why; the caller adds the file and line)."""
 
 
 def open_sources(prompt: str) -> List[Image.Image]:
@@ -70,11 +63,6 @@ def _open_rgb(path: str, where: str) -> Image.Image:
             return image.convert("RGB")
     except (OSError, ValueError) as error:
         raise ValueError(f"{where}: image {path} cannot be read ({error})") from None
-
-
-def image_store() -> Path:
-    """Where images given as bytes are written (`<OMNI_CACHE_DIR>/edit-images`)."""
-    return Path(os.environ.get(STORE_ENV) or STORE_DEFAULT).expanduser() / STORE_NAME
 
 
 def is_edit_set(path: Path | str) -> bool:
@@ -117,9 +105,9 @@ def load_edits(
         where = f"{path}, {place}"
         try:
             if isinstance(row, Exception):
-                raise BadEdit(str(row))
+                raise BadImage(str(row))
             edits.append(edit_prompt(row, source.base_dir, where, store))
-        except BadEdit as error:
+        except BadImage as error:
             message = f"{key}={spec}: {where}: {error}"
             if not skip_bad_rows:
                 raise ValueError(message) from None
@@ -133,21 +121,15 @@ def load_edits(
 
 
 def edit_prompt(row: Any, base_dir: Path, where: str, store: Path) -> Prompt:
-    """One row -> an edit Prompt; raises BadEdit saying what the row lacks."""
+    """One row -> an edit Prompt; raises BadImage saying what the row lacks."""
     if not isinstance(row, dict):
-        raise BadEdit(f"an edit row is an object with an instruction and a source image; got {type(row).__name__}")
+        raise BadImage(f"an edit row is an object with an instruction and a source image; got {type(row).__name__}")
     instruction_column, instruction = _first(row, INSTRUCTION_COLUMNS)
     if not isinstance(instruction, str) or not instruction.strip():
-        raise BadEdit(f"no instruction: one of the columns {list(INSTRUCTION_COLUMNS)} must hold a non-empty string")
-    source_column, sources = _first(row, SOURCE_COLUMNS)
-    if sources is None:
-        raise BadEdit(f"no source image: one of the columns {list(SOURCE_COLUMNS)} must hold one")
-    if source_column == "images":
-        if not isinstance(sources, (list, tuple)) or not sources:
-            raise BadEdit("column 'images' must hold a non-empty list of images")
-    else:
-        sources = [sources]
-    images = [stored_image(value, base_dir, source_column, store) for value in sources]
+        raise BadImage(f"no instruction: one of the columns {list(INSTRUCTION_COLUMNS)} must hold a non-empty string")
+    images, source_column = source_paths(row, base_dir, store)
+    if not images:
+        raise BadImage(f"no source image: one of the columns {list(SOURCE_COLUMNS)} must hold one")
     metadata = {k: v for k, v in row.items() if k not in (instruction_column, source_column) + TARGET_COLUMNS}
     metadata = {k: v for k, v in metadata.items() if _plain(v)}
     target_column, target = _first(row, TARGET_COLUMNS)
@@ -170,36 +152,3 @@ def _plain(value: Any) -> bool:
         return True
     except (TypeError, ValueError):
         return False
-
-
-def stored_image(value: Any, base_dir: Path, column: str, store: Path) -> str:
-    """The file holding the image `value` (a path, bytes or a {"bytes", "path"} dict), checked
-    to be a whole image; bytes are written to `store` under their hash."""
-    if isinstance(value, dict):
-        value = value.get("bytes") if value.get("bytes") is not None else value.get("path")
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        data = bytes(value)
-        _check_image(io.BytesIO(data), f"the bytes in column '{column}'")
-        path = store / f"{hashlib.sha256(data).hexdigest()}.img"
-        if not path.is_file():
-            store.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(f".{os.getpid()}.partial")
-            partial.write_bytes(data)
-            partial.replace(path)  # atomic: another process never reads half a file
-        return str(path)
-    if isinstance(value, (str, os.PathLike)):
-        path = Path(value).expanduser()
-        path = path if path.is_absolute() else base_dir / path
-        if not path.is_file():
-            raise BadEdit(f"image file not found in column '{column}': {path}")
-        _check_image(path, str(path))
-        return str(path.resolve())
-    raise BadEdit(f"column '{column}' holds a {type(value).__name__}, not an image path or bytes")
-
-
-def _check_image(source, name: str) -> None:
-    try:
-        with Image.open(source) as image:
-            image.load()
-    except Exception as error:  # PIL raises several types for corrupt or truncated data
-        raise BadEdit(f"cannot read image {name}: {error}") from None

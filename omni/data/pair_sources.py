@@ -50,6 +50,9 @@ class PairSource:
     base_dir: Path  # image paths in rows are relative to it
     # A video model's pairs: clips of this many frames (`omni.data.preferences`); None: images.
     num_frames: Optional[int] = None
+    # Whether the model edits: each pair must name its source image(s) (True) or none (False);
+    # None: not checked.
+    edit: Optional[bool] = None
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -326,7 +329,7 @@ def scan(source: PairSource, key: str = "data.pairs", skip_bad_rows: bool = Fals
         try:
             if isinstance(values, BadRow):
                 raise values
-            check_row(values, source.base_dir, source.num_frames)
+            check_row(values, source.base_dir, source.num_frames, source.edit)
             good.append(row)
         except TiedRow:
             stats["skipped_ties"] += 1

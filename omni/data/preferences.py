@@ -8,8 +8,10 @@ file or a folder of frames (`omni.videos`), of exactly the run's `rollout.num_fr
 A row has `prompt`, `chosen`, `rejected` (images as paths relative to the data's directory
 or absolute, raw bytes, or {"bytes": ..., "path": ...} structs), or Pick-a-Pic's columns:
 `caption`, `jpg_0`, `jpg_1`, `label_0` (1: image 0 preferred, 0: image 1 preferred, 0.5: a
-tie, skipped and counted). Files are read lazily by `omni.data.pair_sources` (JSONL, parquet
-shards, a `datasets` directory).
+tie, skipped and counted). An edit model's pairs also name the edit's source image(s), in an
+`image` or `images` column (`omni.data.image_files`): two results of one edit, the preferred
+one `chosen`. Files are read lazily by `omni.data.pair_sources` (JSONL, parquet shards, a
+`datasets` directory).
 
 `check_row` finds a bad row (missing column, missing, unreadable or truncated image, empty
 prompt, label outside {0, 0.5, 1}) without decoding PNG and JPEG images: it reads a PNG's
@@ -29,6 +31,9 @@ from typing import Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 from PIL import Image
+
+from omni.data.image_files import SOURCE_COLUMNS, BadImage, image_store, source_paths
+from omni.data.prompts import Prompt
 
 STANDARD_COLUMNS = ("prompt", "chosen", "rejected")
 PICKAPIC_COLUMNS = ("caption", "jpg_0", "jpg_1", "label_0")
@@ -184,24 +189,42 @@ def _columns(row) -> Tuple[str, str, str]:
     return "prompt", "chosen", "rejected"
 
 
-def check_row(row, base_dir: Path, num_frames: Optional[int] = None) -> None:
+def check_row(row, base_dir: Path, num_frames: Optional[int] = None, edit: Optional[bool] = None) -> None:
     """Raise BadRow or TiedRow for a row that cannot become a pair; images are checked whole (PNG, JPEG: not decoded)
-    (clips: their frame counts, see `omni.videos.count_frames`)."""
+    (clips: their frame counts, see `omni.videos.count_frames`). `edit`: whether the model edits,
+    so each pair must name its source image(s) (True) or none (False); None: either."""
     prompt, chosen, rejected = _columns(row)
-    _prompt(row[prompt], prompt)
+    _edit_prompt(row, prompt, base_dir, edit)
     _open_media(row[chosen], base_dir, chosen, num_frames, decode=False)
     _open_media(row[rejected], base_dir, rejected, num_frames, decode=False)
 
 
 def decode_row(row, base_dir: Path, num_frames: Optional[int] = None) -> PreferencePair:
     """One row in either layout -> a pair with decoded images (clips of `num_frames` frames);
-    raises BadRow or TiedRow."""
+    an edit's prompt is a `Prompt` with its source images; raises BadRow or TiedRow."""
     prompt, chosen, rejected = _columns(row)
     return PreferencePair(
-        prompt=_prompt(row[prompt], prompt),
+        prompt=_edit_prompt(row, prompt, base_dir),
         chosen=_open_media(row[chosen], base_dir, chosen, num_frames),
         rejected=_open_media(row[rejected], base_dir, rejected, num_frames),
     )
+
+
+def _edit_prompt(row: dict, column: str, base_dir: Path, edit: Optional[bool] = None) -> str:
+    """The row's prompt: its text, or for an edit pair (a source column, `SOURCE_COLUMNS`)
+    a `Prompt` carrying the source files."""
+    text = _prompt(row[column], column)
+    try:
+        sources, _ = source_paths(row, base_dir, image_store())
+    except BadImage as error:
+        raise BadRow(str(error)) from None
+    if edit is True and not sources:
+        raise BadRow(
+            f"the model edits images: a pair needs its source image in one of the columns {list(SOURCE_COLUMNS)}"
+        )
+    if edit is False and sources:
+        raise BadRow("the pair names source images but the model makes images from text: train an edit family")
+    return Prompt(text, images=sources) if sources else text
 
 
 # ----------------------------------------------------------------------------- images -> tensors

@@ -216,7 +216,8 @@ def edit_velocity(transformer, latents, timestep, embeds, mask, sources, grids) 
     them; rows with the same source grids run as one batch, others apart."""
     side = math.isqrt(latents.shape[1])
     groups: dict = {}
-    for row, row_grids in enumerate(grids.tolist()):
+    # integers again: a worker casts every conditioning tensor to the transformer's dtype
+    for row, row_grids in enumerate(grids.round().long().tolist()):
         groups.setdefault(tuple((h, w) for h, w in row_grids if h), []).append(row)
     parts, order = [], []
     for key, rows in groups.items():

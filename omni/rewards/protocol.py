@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from omni.data.edits import BadEdit, image_store, stored_image
+from omni.data.image_files import BadImage, image_store, stored_image
 from omni.data.prompts import Prompt, source_images
 
 
@@ -85,7 +85,7 @@ def _edit_images(body: Dict[str, Any], count: int, store: Path) -> Tuple[List[Li
     def stored(text: Any, where: str) -> str:
         try:
             return stored_image(base64.b64decode(text, validate=True), Path("."), where, store)
-        except (binascii.Error, TypeError, BadEdit) as error:
+        except (binascii.Error, TypeError, BadImage) as error:
             raise ValueError(f"{where} is not a base64 image ({error})") from None
 
     files = [[stored(t, f"sources[{i}][{j}]") for j, t in enumerate(s or [])] for i, s in enumerate(sources)]

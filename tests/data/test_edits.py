@@ -117,3 +117,29 @@ def test_the_shipped_recolor_sets_load_with_a_target_for_every_edit():
         assert len(edits) == count and all(len(e.images) == 1 and "target" in e.metadata for e in edits)
     source, target = open_sources(edits[0])[0], open_target(edits[0])
     assert source.size == target.size == (64, 64) and pixels(source) != pixels(target)
+
+
+def test_edit_pairs_carry_their_sources_and_must_match_the_model(tmp_path):
+    """Offline DPO on edits: a pair row's `image` makes its prompt an edit prompt; scanning for
+    an edit model refuses a pair without a source, and for a text model one with a source,
+    naming the row."""
+    from omni.data.pair_sources import load_preference_pairs, open_pair_source, scan
+    from omni.recolor import write_recolor_pairs
+
+    pairs_file = write_recolor_pairs(tmp_path, "pairs", 4, seed=3)
+    pairs, _ = load_preference_pairs(pairs_file)
+    assert len(pairs) == 4 and all(len(p.prompt.images) == 1 for p in pairs)
+    assert pixels(open_sources(pairs[0].prompt)[0]) == pixels(pairs[0].rejected)  # the unedited source
+    source = open_pair_source(pairs_file)
+    source.edit = True
+    assert scan(source).stats["pairs"] == 4
+    source.edit = False
+    with pytest.raises(ValueError, match=r"pairs.jsonl, line 1: the pair names source images but the model makes"):
+        scan(source)
+    text_pairs = tmp_path / "text.jsonl"
+    rows = [json.loads(line) for line in pairs_file.read_text().splitlines()]
+    text_pairs.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "image"}) + "\n" for r in rows))
+    source = open_pair_source(text_pairs)
+    source.edit = True
+    with pytest.raises(ValueError, match=r"text.jsonl, line 1: the model edits images: a pair needs its source"):
+        scan(source)

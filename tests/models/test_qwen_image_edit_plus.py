@@ -85,6 +85,16 @@ def test_mixed_batch_gives_each_prompt_its_lone_velocity(pipe, sources):
     assert torch.allclose(together, alone, atol=1e-5)
 
 
+def test_conditioning_cast_to_the_transformers_dtype_gives_the_same_velocity(pipe, sources):
+    """A worker casts every conditioning tensor to the transformer's dtype, the source grids
+    too (found by an online DPO update): the velocity must not change."""
+    prompts = [edit(sources[:1])]
+    cond = FAMILY.encode_prompts(pipe, prompts, GUIDED, 16, "cpu")
+    cast = cond.apply(lambda t: t.to(torch.float32))
+    assert cast.source_grids.dtype == torch.float32
+    assert torch.equal(velocity(pipe, prompts, cond=cast), velocity(pipe, prompts, cond=cond))
+
+
 def test_an_edit_without_a_source_fails_naming_its_origin(pipe, sources, monkeypatch):
     def no_transformer(*args, **kwargs):
         raise AssertionError("the transformer ran")
