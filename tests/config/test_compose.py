@@ -29,6 +29,10 @@ REWARD_NEEDS = {
         "reward.components.vlm_judge.model=judge",
     ],
 }
+# An edit model needs edits (prompts with source images), and edit data or rewards an edit model.
+EDIT_MODELS = ("flux_kontext", "flux_kontext_tiny", "qwen_image_edit_plus", "qwen_image_edit_plus_tiny")
+EDIT_DATA = ("edits", "recolor")
+EDIT_REWARDS = ("edit", "edit_consistency")
 # A video model scores clips and a clip reward needs a video model (validation refuses mixing them).
 VIDEO_MODELS = ("wan", "wan_tiny", "wan22", "wan22_tiny")
 VIDEO_REWARDS = ("frame_brightness", "temporal_consistency")
@@ -49,6 +53,13 @@ def compose_and_validate(choice: dict, tiny_cache, synthetic_pairs, tmp_path):
     if choice.get("data") == "prompts":  # the user's own prompt files: data.train is theirs to name
         overrides.append(f"data.train={tmp_path / 'prompts.txt'}")
         (tmp_path / "prompts.txt").write_text("a red apple\na blue car\n")
+    edit_model, edit_data = choice.get("model") in EDIT_MODELS, choice.get("data") in EDIT_DATA
+    if (edit_model or choice.get("reward") in EDIT_REWARDS) and "data" not in choice:
+        overrides.append("data=recolor")
+    if (edit_data or choice.get("reward") in EDIT_REWARDS) and "model" not in choice:
+        overrides.append("model=flux_kontext_tiny")
+    if choice.get("data") == "edits":  # the user's own edit set: data.train is theirs to name
+        overrides.append("data.train=omni:recolor_train")
     if choice.get("model") in VIDEO_MODELS and "reward" not in choice:
         overrides.append("reward=frame_brightness")
     if choice.get("reward") in VIDEO_REWARDS and "model" not in choice:
