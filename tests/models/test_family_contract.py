@@ -31,6 +31,7 @@ from omni.models import FAMILIES, get_family
 from omni.rollout.base import SamplingOptions
 from omni.rollout.sampling import sample_rollout
 from tests.models.log_warnings import WarningMessages
+from tests.models.qwen_edit_sizes import small_edit_sources  # noqa: F401 (autouse)
 
 NAMES = FAMILIES.names()
 # a tuple: ZImagePipeline rewrites a prompt list in place (its chat template), so each call gets a copy

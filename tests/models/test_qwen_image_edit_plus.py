@@ -15,6 +15,7 @@ from omni.models.qwen_image import FAMILY as QWEN_IMAGE
 from omni.models.qwen_image_edit_plus import FAMILY, tiny_qwen_image_edit_plus_path
 from omni.rollout.base import SamplingOptions
 from omni.rollout.sampling import sample_rollout
+from tests.models.qwen_edit_sizes import small_edit_sources  # noqa: F401 (autouse)
 
 GUIDED = 4.0
 
@@ -69,6 +70,7 @@ def test_another_source_gives_another_velocity(pipe, sources):
     assert (base - velocity(pipe, [edit(sources[:1])], cond=first)).abs().max() > 1e-4
 
 
+@pytest.mark.real_source_sizes
 def test_two_sources_give_more_conditioning_tokens(pipe, sources):
     one, two = (FAMILY.encode_prompts(pipe, [edit(sources[:n])], GUIDED, 16, "cpu") for n in (1, 2))
     assert two.sources.shape[1] == 2 * one.sources.shape[1] == 2 * 64 * 64  # VAE tokens at 1024 px
