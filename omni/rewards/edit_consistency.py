@@ -3,24 +3,15 @@ result and the source outside the region the edit changes (`omni.rewards.edit_re
 [0, 1]. Without a target or a mask the whole image counts, so the score then rewards leaving
 the source alone: pair it with a reward for doing the edit (`edit_target`, a judge)."""
 
-from dataclasses import dataclass
-
 import torch
 
 from omni.data.prompts import source_images
-from omni.rewards.base import Reward, RewardOptions
-from omni.rewards.edit_regions import changed_region, mean_closeness, references
-
-
-@dataclass
-class EditConsistencyOptions(RewardOptions):
-    # A pixel belongs to the changed region when the target differs from the source there by
-    # more than this (in [0, 1], any channel).
-    threshold: float = 0.1
+from omni.rewards.base import Reward
+from omni.rewards.edit_regions import EditRegionOptions, changed_region, mean_closeness, references
 
 
 class EditConsistency(Reward):
-    Options = EditConsistencyOptions
+    Options = EditRegionOptions
 
     @classmethod
     def prompt_problem(cls, options, prompt):

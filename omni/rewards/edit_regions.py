@@ -10,6 +10,7 @@ the same few edits again and again).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import numpy as np
@@ -18,6 +19,14 @@ import torch.nn.functional as F
 from PIL import Image
 
 from omni.data.prompts import source_images
+from omni.rewards.base import RewardOptions
+
+
+@dataclass
+class EditRegionOptions(RewardOptions):
+    # A pixel belongs to the changed region when the target differs from the source there by
+    # more than this (in [0, 1], any channel).
+    threshold: float = 0.1
 
 
 @functools.lru_cache(maxsize=4096)

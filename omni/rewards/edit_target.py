@@ -3,24 +3,15 @@ absolute pixel difference between the result and the target inside the changed r
 (`omni.rewards.edit_regions`), in [0, 1]. Needs edits with a target image (an edit set row's
 "target"); the toy recolour task (`experiment=recolor`) has one for every edit."""
 
-from dataclasses import dataclass
-
 import torch
 
 from omni.data.prompts import source_images
-from omni.rewards.base import Reward, RewardOptions
-from omni.rewards.edit_regions import changed_region, mean_closeness, references
-
-
-@dataclass
-class EditTargetOptions(RewardOptions):
-    # A pixel belongs to the changed region when the target differs from the source there by
-    # more than this (in [0, 1], any channel).
-    threshold: float = 0.1
+from omni.rewards.base import Reward
+from omni.rewards.edit_regions import EditRegionOptions, changed_region, mean_closeness, references
 
 
 class EditTarget(Reward):
-    Options = EditTargetOptions
+    Options = EditRegionOptions
 
     @classmethod
     def prompt_problem(cls, options, prompt):
