@@ -40,6 +40,7 @@ from omni.config.algorithm import GroupAdvantageConfig, SigmaSampling
 from omni.config.errors import require
 from omni.config.rollout import SDEType
 from omni.context import update_seed
+from omni.models import get_family
 from omni.models.base import Conditioning
 
 
@@ -210,8 +211,9 @@ class DiffusionNFT(Algorithm):
             f"rollout.sde_type={rollout.sde_type.value} with algorithm=diffusion_nft: "
             "DiffusionNFT samples with the ODE and takes no stochastic step; leave rollout.sde_type at its default",
         )
+        # a distilled guidance (FLUX.1-dev's embedding) is one pass, part of the policy; CFG is two
         require(
-            rollout.guidance_scale <= 1,
+            get_family(cfg.model.family).forward_passes(rollout.guidance_scale) == 1,
             f"rollout.guidance_scale={rollout.guidance_scale} with algorithm=diffusion_nft: DiffusionNFT samples and "
             f"trains without CFG; set rollout.guidance_scale=1",
         )

@@ -98,6 +98,8 @@ GOOD = [
     ["algorithm=grpo_guard", "rollout.sde_type=cps", "trainer.ema_decay=0.95"],
     ["algorithm=flow_dppo", "rollout.sde_type=cps", "algorithm.kl_coef=0.01"],
     ["algorithm=diffusion_nft", "algorithm.adv_norm=none"],
+    # FLUX.1-dev's distilled guidance is one pass, not CFG: DiffusionNFT samples and trains with it
+    ["model=flux_tiny", "algorithm=diffusion_nft", "rollout.guidance_scale=3.5"],
     # AWM on SDE samples of any stochastic step; full fine-tuning without its EMA snapshot
     ["algorithm=awm", "algorithm.sampler=sde", "rollout.sde_type=cps"],
     ["algorithm=awm", "model.lora=null", "algorithm.ema_kl_coef=0"],
