@@ -176,7 +176,7 @@ def train_transformer(pipe, pool, args, on_step=None) -> list:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
-    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=2500)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--pool", type=int, default=4096, help="edits whose latents the transformer trains on")
     parser.add_argument("--layers", type=int, default=TRANSFORMER["num_layers"], help="double-stream blocks")
