@@ -24,7 +24,23 @@ The pipeline is a FluxKontextPipeline assembled from:
 Every batch is a function of (seed, step); with --threads 1 the run is deterministic on a CPU
 (tests/models/test_micro_kontext.py pins its first steps).
 
-Measured for the shipped weights: see omni/conf/model/micro_kontext.yaml.
+Measured for the shipped weights (the defaults, one thread, the other core mostly idle): the
+pool of 4,096 edits takes 53 s; the transformer (2 double and 4 single blocks, 8 heads of 16:
+2.3M parameters, 9.4 MB) 0.43 s a step, 2,500 steps in 18 minutes, loss 2.58 -> 0.17. Held-out
+(scripts/eval_micro_kontext.py --images 4: the 32 held-out edits, 4 seeds each, 20 Euler steps
+of the ODE, guidance 2.5):
+
+    checkpoint                       edit_target  edit_consistency
+    the shipped weights (step 2500)  0.736        0.983
+    EMA at step 2000                 0.713        0.982
+    the tiny random FLUX.1 Kontext   0.602        0.723
+    for scale: the source itself     0.597        1.000
+               a uniform grey image  0.692        0.978
+
+(EMA at steps 500 / 1000 / 1500, one image an edit: edit_target 0.628 / 0.645 / 0.644.) It
+copies the layout and the shape left alone, and redraws the shape to recolour in place, in the
+named colour only some of the time (others: its old colour, a wrong one, or the other shape
+recoloured): room for the edit rewards to teach.
 """
 
 from __future__ import annotations
