@@ -87,7 +87,7 @@ def test_shipped_weights_match_the_script_and_stay_small():
 def test_model_micro_kontext_loads_offline_and_samples_a_64px_edit(monkeypatch):
     from omni.data.prompt_sets import load_prompt_set
     from omni.models import get_family
-    from omni.rollout.base import run_sampling_options
+    from omni.rollout.base import SamplingOptions
     from omni.rollout.sampling import sample_rollout
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -98,7 +98,14 @@ def test_model_micro_kontext_loads_offline_and_samples_a_64px_edit(monkeypatch):
     assert family.resolution_multiple(cfg.model.path) == 8  # the VAE's factor 4 times the 2x2 packing
     pipe = family.load_pipeline(cfg.model.path, torch.float32)
     edit = load_prompt_set("omni:recolor_eval", "data.eval")[:1]
-    options = run_sampling_options(cfg)
+    options = SamplingOptions(
+        num_steps=2,
+        resolution=cfg.model.resolution,
+        guidance_scale=cfg.model.guidance_scale,
+        noise_level=0.7,
+        max_sequence_length=cfg.model.max_sequence_length,
+        sde_steps=(0, 0),
+    )
     batch = sample_rollout(family, pipe, edit, [0], options, 1, torch.device("cpu"), torch.float32)
     assert batch.images.shape == (1, 3, 64, 64) and torch.isfinite(batch.images).all()
     assert batch.latents.shape[-2:] == (64, 16)  # 8 x 8 tokens of 4 channels x 2 x 2
