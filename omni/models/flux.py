@@ -5,7 +5,9 @@ resolution-dependent timestep shift, the distilled guidance embedding, and LoRA 
 
 Sampling follows `FluxPipeline.__call__`:
 - latents are 16-channel VAE latents cut into 2x2 patches and packed into a sequence of
-  64-wide tokens, (B, (H/16) * (W/16), 64) for an H x W image; the transformer gets the
+  64-wide tokens, (B, (H/16) * (W/16), 64) for an H x W image (the channels and the VAE's
+  factor are read from the checkpoint: the micro FLUX.1 Kontext's 4-channel VAE of factor 4
+  gives (B, (H/8) * (W/8), 16)); the transformer gets the
   position of each token (`img_ids`) and all-zero text positions (`txt_ids`);
 - the noise levels are `linspace(1, 1/n, n)` shifted by exp(mu), with mu linear in the
   number of image tokens (dev's dynamic shifting; schnell's scheduler has none);

@@ -75,8 +75,9 @@ def reference_ids(height: int, width: int, device, dtype) -> torch.Tensor:
 @dataclass
 class FluxKontextConditioning(FluxPromptEmbeds):
     """FLUX's text conditioning and the source image's VAE latents (transformer scale),
-    unpacked, (B, 16, h, w): the shape keeps a non-square source's token grid, from which the
-    reference tokens' positions follow; they are packed when the transformer runs."""
+    unpacked, (B, C, h, w), C the VAE's latent channels (16 for FLUX's VAE, 4 for
+    `model=micro_kontext`'s): the shape keeps a non-square source's token grid, from which
+    the reference tokens' positions follow; they are packed when the transformer runs."""
 
     source: torch.Tensor
 
@@ -128,7 +129,7 @@ class FluxKontextFamily(FluxFamily):
         return FluxKontextConditioning(text.embeds, text.pooled, torch.cat(latents).to(device))
 
     def encode_source(self, pipe, image, device) -> torch.Tensor:
-        """One PIL source -> its VAE latents (1, 16, h, w), fp32 on the CPU, as the pipeline
+        """One PIL source -> its VAE latents (1, C, h, w), fp32 on the CPU, as the pipeline
         preprocesses and encodes it without auto-resizing."""
         multiple = pipe.vae_scale_factor * 2
         height, width = (side // multiple * multiple for side in pipe.image_processor.get_default_height_width(image))
