@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import time
 
 import torch
@@ -55,6 +54,7 @@ from omni import scenes, seeding
 from omni.data.prompts import Prompt
 from omni.models.sd3 import SCHEDULER
 from omni.models.tiny_parts import clip_encoder, clip_tokenizer, save_pipeline, t5_encoder, t5_tokenizer
+from omni.pretraining import train_with_ema
 
 TEXT_LENGTH = 16  # T5's tokens: a scene word is one sentencepiece
 # CLIP's: the written-out BPE merges of omni.models.tiny_parts split some scene words (a merge
@@ -226,14 +226,6 @@ def latent_pool(pipe, items, args):
     )
 
 
-def learning_rate(step: int, args) -> float:
-    """Linear warm-up over `args.warmup` steps, then a cosine decay to a tenth of `args.lr`."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def flow_matching_loss(transformer, pool, step: int, args):
     """Step `step`'s loss on a batch of the pool: rectified flow at t ~ sigmoid(N(0, 1)), a
     share `args.uncond` of the prompts replaced by the empty one (index 0)."""
@@ -254,29 +246,11 @@ def flow_matching_loss(transformer, pool, step: int, args):
 
 
 def train_transformer(pipe, pool, args, on_step=None) -> list:
-    """AdamW with `learning_rate`'s schedule; the pipeline keeps the weights' exponential
-    moving average (decay `args.ema`), which samples cleaner than the last weights."""
-    transformer = pipe.transformer
-    ema = copy.deepcopy(transformer).requires_grad_(False)
-    optimizer = torch.optim.AdamW(transformer.parameters(), lr=args.lr, weight_decay=0.0)
-    losses = []
-    for step in range(args.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, args)
-        loss = flow_matching_loss(transformer, pool, step, args)
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
-        optimizer.step()
-        decay = min(args.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for e, p in zip(ema.parameters(), transformer.parameters()):
-                e.lerp_(p, 1 - decay)
-        losses.append(float(loss.detach()))
-        if on_step is not None:
-            on_step(step, losses, ema)
-    transformer.load_state_dict(ema.state_dict())
-    return losses
+    """`omni.pretraining.train_with_ema` on the pool's flow-matching loss; the pipeline ends
+    with the weights' moving average."""
+    return train_with_ema(
+        pipe.transformer, lambda transformer, step: flow_matching_loss(transformer, pool, step, args), args, on_step
+    )
 
 
 def parse_args(argv=None):

@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import time
 
 import numpy as np
@@ -60,6 +59,7 @@ from omni.models.assets import asset_path
 from omni.models.flux import DEV_SCHEDULER, FluxFamily
 from omni.models.flux_kontext import FAMILY, FluxKontextConditioning
 from omni.models.tiny_parts import clip_encoder, clip_tokenizer, save_pipeline, t5_encoder, t5_tokenizer
+from omni.pretraining import train_with_ema
 from omni.recolor import COLORS, SHAPES, SIZE, recolor_edit
 
 WORDS = ("make", "the", *SHAPES, *COLORS)
@@ -139,14 +139,6 @@ def latent_pool(pipe, edits):
     return targets, sources, torch.tensor([index[t] for t, _, _ in edits]), text.embeds, text.pooled
 
 
-def learning_rate(step: int, args) -> float:
-    """Linear warm-up over `args.warmup` steps, then a cosine decay to a tenth of `args.lr`."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def flow_matching_loss(transformer, pool, step: int, args):
     """Step `step`'s loss on a batch of the pool: rectified flow at t ~ sigmoid(N(0, 1)),
     the velocity from the family's `predict_velocity` at sigma t with the source's tokens."""
@@ -164,29 +156,11 @@ def flow_matching_loss(transformer, pool, step: int, args):
 
 
 def train_transformer(pipe, pool, args, on_step=None) -> list:
-    """AdamW with `learning_rate`'s schedule; the pipeline ends with the weights' exponential
-    moving average (decay `args.ema`)."""
-    transformer = pipe.transformer
-    ema = copy.deepcopy(transformer).requires_grad_(False)
-    optimizer = torch.optim.AdamW(transformer.parameters(), lr=args.lr, weight_decay=0.0)
-    losses = []
-    for step in range(args.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, args)
-        loss = flow_matching_loss(transformer, pool, step, args)
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
-        optimizer.step()
-        decay = min(args.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for e, p in zip(ema.parameters(), transformer.parameters()):
-                e.lerp_(p, 1 - decay)
-        losses.append(float(loss.detach()))
-        if on_step is not None:
-            on_step(step, losses, ema)
-    transformer.load_state_dict(ema.state_dict())
-    return losses
+    """`omni.pretraining.train_with_ema` on the pool's flow-matching loss; the pipeline ends
+    with the weights' moving average."""
+    return train_with_ema(
+        pipe.transformer, lambda transformer, step: flow_matching_loss(transformer, pool, step, args), args, on_step
+    )
 
 
 def parse_args(argv=None):
