@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
 from omni.loggers import missing_backends
 from omni.models import get_family
@@ -30,7 +31,9 @@ REWARD_NEEDS = {
     ],
 }
 # An edit model needs edits (prompts with source images), and edit data or rewards an edit model.
-EDIT_MODELS = ("flux_kontext", "flux_kontext_tiny", "qwen_image_edit_plus", "qwen_image_edit_plus_tiny")
+EDIT_MODELS = tuple(
+    p.stem for p in (Path(CONF_DIR) / "model").glob("*.yaml") if get_family(OmegaConf.load(p).family).edit
+)
 EDIT_DATA = ("edits", "recolor")
 EDIT_REWARDS = ("edit", "edit_consistency")
 # A video model scores clips and a clip reward needs a video model (validation refuses mixing them).
