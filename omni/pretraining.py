@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from typing import Callable, List, Optional
 
 import torch
@@ -49,3 +50,24 @@ def train_with_ema(
             on_step(step, losses, ema)
     transformer.load_state_dict(ema.state_dict())
     return losses
+
+
+def progress_and_snapshots(pipe, args, every: int, start: float) -> Callable:
+    """An `on_step` that prints the mean loss of each `every` steps and, every
+    `args.save_every` steps (0: never), saves the pipeline with the moving average's weights
+    beside `args.out_dir` (`<out_dir>-step<N>`), then puts the training weights back."""
+    from omni.models.tiny_parts import save_pipeline
+
+    def on_step(step, losses, ema):
+        if step % every == every - 1:
+            print(
+                f"step {step + 1} loss {sum(losses[-every:]) / every:.4f} {time.perf_counter() - start:.0f}s",
+                flush=True,
+            )
+        if args.save_every and (step + 1) % args.save_every == 0:
+            current = copy.deepcopy(pipe.transformer.state_dict())
+            pipe.transformer.load_state_dict(ema.state_dict())
+            save_pipeline(pipe, f"{args.out_dir}-step{step + 1}")
+            pipe.transformer.load_state_dict(current)
+
+    return on_step

@@ -43,7 +43,6 @@ reached 7.7%; 8 heads for 4,000 steps 14.3%; patch size 1 about 10%. This VAE de
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 
@@ -54,7 +53,7 @@ from omni import scenes, seeding
 from omni.data.prompts import Prompt
 from omni.models.sd3 import SCHEDULER
 from omni.models.tiny_parts import clip_encoder, clip_tokenizer, save_pipeline, t5_encoder, t5_tokenizer
-from omni.pretraining import train_with_ema
+from omni.pretraining import progress_and_snapshots, train_with_ema
 
 TEXT_LENGTH = 16  # T5's tokens: a scene word is one sentencepiece
 # CLIP's: the written-out BPE merges of omni.models.tiny_parts split some scene words (a merge
@@ -325,15 +324,7 @@ def main() -> None:
     pipe, pool, report = prepare(args)
     start = time.perf_counter()
 
-    def on_step(step, losses, ema):
-        if step % 100 == 99:
-            print(f"step {step + 1} loss {sum(losses[-100:]) / 100:.4f} {time.perf_counter() - start:.0f}s", flush=True)
-        if args.save_every and (step + 1) % args.save_every == 0:
-            current = copy.deepcopy(pipe.transformer.state_dict())
-            pipe.transformer.load_state_dict(ema.state_dict())
-            save_pipeline(pipe, f"{args.out_dir}-step{step + 1}")
-            pipe.transformer.load_state_dict(current)
-
+    on_step = progress_and_snapshots(pipe, args, 100, start)
     losses = train_transformer(pipe, pool, args, on_step)
     report["transformer_s_per_step"] = (time.perf_counter() - start) / max(args.steps, 1)
     report["loss_first_last"] = [losses[:1], losses[-5:]]

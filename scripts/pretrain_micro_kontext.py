@@ -46,7 +46,6 @@ recoloured): room for the edit rewards to teach.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 
@@ -59,7 +58,7 @@ from omni.models.assets import asset_path
 from omni.models.flux import DEV_SCHEDULER, FluxFamily
 from omni.models.flux_kontext import FAMILY, FluxKontextConditioning
 from omni.models.tiny_parts import clip_encoder, clip_tokenizer, save_pipeline, t5_encoder, t5_tokenizer
-from omni.pretraining import train_with_ema
+from omni.pretraining import progress_and_snapshots, train_with_ema
 from omni.recolor import COLORS, SHAPES, SIZE, recolor_edit
 
 WORDS = ("make", "the", *SHAPES, *COLORS)
@@ -202,15 +201,7 @@ def main() -> None:
     print(json.dumps(report), flush=True)
     start = time.perf_counter()
 
-    def on_step(step, losses, ema):
-        if step % 50 == 49:
-            print(f"step {step + 1} loss {sum(losses[-50:]) / 50:.4f} {time.perf_counter() - start:.0f}s", flush=True)
-        if args.save_every and (step + 1) % args.save_every == 0:
-            current = copy.deepcopy(pipe.transformer.state_dict())
-            pipe.transformer.load_state_dict(ema.state_dict())
-            save_pipeline(pipe, f"{args.out_dir}-step{step + 1}")
-            pipe.transformer.load_state_dict(current)
-
+    on_step = progress_and_snapshots(pipe, args, 50, start)
     losses = train_transformer(pipe, pool, args, on_step)
     report["transformer_s_per_step"] = (time.perf_counter() - start) / max(args.steps, 1)
     report["loss_first_last"] = [losses[:1], losses[-5:]]
