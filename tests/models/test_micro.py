@@ -3,15 +3,14 @@ config like any local checkpoint and samples a 64 px image, and the script that 
 (scripts/pretrain_micro.py) still takes the first steps it took, so the weights stay
 reproducible from the script."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import compose_config
+from tests.models.pretrain_scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "pretrain_micro.py"
 ASSET = Path(__file__).resolve().parents[2] / "omni" / "assets" / "micro"
 # An installation without the weights (a trimmed wheel) skips the tests that load them.
 needs_weights = pytest.mark.skipif(not (ASSET / "model_index.json").is_file(), reason="no micro weights shipped")
@@ -23,24 +22,8 @@ VAE_LOSSES = [0.22531758248806, 0.11675979197025299, 0.08705490082502365]
 TRANSFORMER_LOSSES = [2.2306392192840576, 2.2341933250427246, 2.2245566844940186]
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("pretrain_micro", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture
-def one_thread():
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(deterministic)
-
-
 def test_vae_first_steps_are_pinned(one_thread):
-    script = load_script()
+    script = load_script("pretrain_micro")
     args = script.parse_args(["unused", "--vae-steps", "3"])
     pipe = script.micro_pipeline(args.seed)
     losses = script.train_vae(pipe.vae, script.scenes.training_prompts(4096, args.seed), args)
@@ -48,7 +31,7 @@ def test_vae_first_steps_are_pinned(one_thread):
 
 
 def test_transformer_first_steps_are_pinned(one_thread):
-    script = load_script()
+    script = load_script("pretrain_micro")
     args = script.parse_args(["unused", "--vae-steps", "3", "--steps", "3", "--pool", "256"])
     pipe, pool, _ = script.prepare(args)
     losses = script.train_transformer(pipe, pool, args)
@@ -57,7 +40,7 @@ def test_transformer_first_steps_are_pinned(one_thread):
 
 @needs_weights
 def test_shipped_weights_match_the_script_and_stay_small():
-    script = load_script()
+    script = load_script("pretrain_micro")
     config = script.micro_pipeline(0).transformer.config
     shipped = __import__("json").loads((ASSET / "transformer" / "config.json").read_text())
     assert {k: shipped[k] for k in script.TRANSFORMER} == {k: config[k] for k in script.TRANSFORMER}

@@ -4,7 +4,6 @@ script that pretrained it (scripts/pretrain_micro_kontext.py) conditions exactly
 rollout does and still takes the first steps it took, so the weights stay reproducible
 from the script."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,8 +11,8 @@ import pytest
 import torch
 
 from tests.conftest import compose_config
+from tests.models.pretrain_scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "pretrain_micro_kontext.py"
 ASSET = Path(__file__).resolve().parents[2] / "omni" / "assets" / "micro_kontext"
 needs_weights = pytest.mark.skipif(
     not (ASSET / "model_index.json").is_file(), reason="no micro_kontext weights shipped"
@@ -24,24 +23,8 @@ needs_weights = pytest.mark.skipif(
 TRANSFORMER_LOSSES = [2.6161510944366455, 2.685976028442383, 2.6720993518829346]
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("pretrain_micro_kontext", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture
-def one_thread():
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(deterministic)
-
-
 def test_transformer_first_steps_are_pinned(one_thread):
-    script = load_script()
+    script = load_script("pretrain_micro_kontext")
     args = script.parse_args(["unused", "--steps", "3", "--pool", "64"])
     pipe, pool, _ = script.prepare(args)
     losses = script.train_transformer(pipe, pool, args)
@@ -56,7 +39,7 @@ def test_pretraining_conditions_as_a_rollout_does(tmp_path):
     from omni.models.packing import pack, unpack
     from omni.recolor import to_png
 
-    script = load_script()
+    script = load_script("pretrain_micro_kontext")
     pipe = script.micro_kontext_pipeline(0)
     edits = script.pool_edits(2, seed=0)
     targets, sources, text, embeds, pooled = script.latent_pool(pipe, edits)
@@ -75,7 +58,7 @@ def test_pretraining_conditions_as_a_rollout_does(tmp_path):
 
 @needs_weights
 def test_shipped_weights_match_the_script_and_stay_small():
-    script = load_script()
+    script = load_script("pretrain_micro_kontext")
     shipped = json.loads((ASSET / "transformer" / "config.json").read_text())
     assert {k: shipped[k] for k in script.TRANSFORMER if k != "axes_dims_rope"} == {
         k: v for k, v in script.TRANSFORMER.items() if k != "axes_dims_rope"
