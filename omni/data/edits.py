@@ -51,12 +51,6 @@ def open_sources(prompt: str) -> List[Image.Image]:
     return [_open_rgb(path, where) for path in paths]
 
 
-def open_target(prompt: str) -> Optional[Image.Image]:
-    """The prompt's target image (RGB), or None when the edit names none."""
-    path = getattr(prompt, "metadata", {}).get("target")
-    return None if path is None else _open_rgb(path, getattr(prompt, "origin", "") or repr(str(prompt)[:60]))
-
-
 def _open_rgb(path: str, where: str) -> Image.Image:
     try:
         with Image.open(path) as image:

@@ -8,7 +8,7 @@ import logging
 import pytest
 from PIL import Image
 
-from omni.data.edits import is_edit_set, load_edits, open_sources, open_target
+from omni.data.edits import is_edit_set, load_edits, open_sources
 from omni.data.prompt_sets import load_prompt_set
 from omni.recolor import recolor_edit, to_png
 from tests.data.damage import truncate
@@ -32,6 +32,11 @@ def jsonl_set(tmp_path):
     path = tmp_path / "edits.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path, rows
+
+
+def open_target(edit) -> Image.Image:
+    with Image.open(edit.metadata["target"]) as image:
+        return image.convert("RGB")
 
 
 def pixels(image: Image.Image) -> bytes:
