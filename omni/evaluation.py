@@ -175,6 +175,29 @@ class EvalResult:
         return "\n".join(lines)
 
 
+def headline_scores(result: EvalResult) -> List[str]:
+    """The scores a run's closing table shows: the training reward, then each reward's 0/1
+    accuracy where it logs one (`<reward>/accuracy`, GenEval's)."""
+    return ["reward", *(name for name in result.scores if name.endswith("/accuracy"))]
+
+
+def before_after_table(initial: EvalResult, final: EvalResult) -> str:
+    """Each headline score before and after training, per category (rows) and overall, from two
+    evaluations of the same (prompt, seed) pairs."""
+    names = headline_scores(final)
+    tags = list(final.categories.get(names[0], {}))
+    rows = [(tag, [(initial.categories[n][tag], final.categories[n][tag]) for n in names]) for tag in tags]
+    rows.append((OVERALL, [(initial.mean(n), final.mean(n)) for n in names]))
+    width = max(len("category"), *(len(tag) for tag, _ in rows))
+    cell = len("0.0000 -> 0.0000 (+0.0000)")
+    columns = [max(len(n), cell) for n in names]
+    lines = ["  ".join([f"{'category':<{width}}", *(f"{n:>{w}}" for n, w in zip(names, columns))])]
+    for tag, pairs in rows:
+        cells = (f"{b:.4f} -> {a:.4f} ({a - b:+.4f})" for b, a in pairs)
+        lines.append("  ".join([f"{tag:<{width}}", *(f"{c:>{w}}" for c, w in zip(cells, columns))]))
+    return "\n".join(lines)
+
+
 class Evaluator:
     """The evaluation of a run: its (prompt, seed) pairs fixed at construction, sampled and
     scored by `run` with the run's worker and reward (`ctx`, an omni.context.StepContext)."""

@@ -33,7 +33,7 @@ from omni.config.errors import ConfigError, require
 from omni.context import StepContext
 from omni.data.prompt_sets import load_prompt_set
 from omni.ema import LoraEMA
-from omni.evaluation import EvalResult, Evaluator, load_eval_prompts
+from omni.evaluation import EvalResult, Evaluator, before_after_table, load_eval_prompts
 from omni.loggers import MetricsLogger
 from omni.models import get_family
 from omni.rewards import WeightedReward
@@ -287,6 +287,7 @@ class Trainer:
         self.write_results(saved, metrics, self.write_eval_summary(initial, final))
         before, after = initial.mean(), final.mean()
         logger.info("eval reward (held-out prompts and seeds): before %.4f -> after %.4f", before, after)
+        logger.info("held-out evaluation before -> after training:\n%s", before_after_table(initial, final))
         return after
 
     def train_steps(self) -> bool:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from omni.data.prompts import Prompt
-from omni.evaluation import EvalResult, category_means, load_eval_prompts, plan, sampling_options
+from omni.evaluation import EvalResult, before_after_table, category_means, load_eval_prompts, plan, sampling_options
 from omni.trainer import Trainer
 from omni.validation import validate
 from tests.conftest import compose_config
@@ -40,6 +40,31 @@ def test_per_category_means_match_hand_computed_values():
     assert table[1].split() == ["counting", "0.7500", "0.5000", "2"]
     assert table[-1].split() == ["all", "0.4375", "0.6000", "5"]
     assert evaluation.summary()["per_image"][4]["reward"] is None
+
+
+def test_the_closing_table_shows_the_reward_and_accuracy_before_and_after_per_category():
+    tags = ["counting", "colors", "counting", "colors"]
+    before = result(
+        {"reward": [0.5, 0.0, 0.5, 1.0], "geneval/accuracy": [0.0, 0.0, 1.0, 1.0], "other": [1.0, 1.0, 1.0, 1.0]}, tags
+    )
+    after = result(
+        {"reward": [1.0, 0.5, 0.5, 1.0], "geneval/accuracy": [1.0, 0.0, 1.0, 1.0], "other": [0.0, 0.0, 0.0, 0.0]}, tags
+    )
+    lines = before_after_table(before, after).splitlines()
+    assert lines[0].split() == ["category", "reward", "geneval/accuracy"]  # no column for other scores
+    assert lines[1].split() == [
+        "counting",
+        "0.5000",
+        "->",
+        "0.7500",
+        "(+0.2500)",
+        "0.5000",
+        "->",
+        "1.0000",
+        "(+0.5000)",
+    ]
+    assert lines[2].split() == ["colors", "0.5000", "->", "0.7500", "(+0.2500)", "0.5000", "->", "0.5000", "(+0.0000)"]
+    assert lines[3].split() == ["all", "0.5000", "->", "0.7500", "(+0.2500)", "0.5000", "->", "0.7500", "(+0.2500)"]
 
 
 def test_prompts_without_a_category_have_overall_means_only():
