@@ -10,6 +10,8 @@ than that many). The prompt text is written from the metadata, with GenEval's te
     sample_metadata(rng, tag)      one random prompt of a category
     prompt_set(n, seed)            n prompts, the categories in turn (the shipped sets)
     render(metadata, size, seed)   an image (3, size, size) in [0, 1] that satisfies it
+    corrupt(metadata, rng)         metadata of a scene that fails the prompt (a DPO pair's
+                                   rejected image)
     metadata_problem(metadata)     what makes metadata unrenderable (outside the vocabulary,
                                    malformed), or None; validation names the file and line
 
@@ -135,6 +137,35 @@ def sample_metadata(rng: np.random.Generator, tag: str) -> Dict[str, Any]:
         raise ValueError(f"unknown scene category {tag!r}; one of {list(TAGS)}")
     item = {"tag": tag, "include": include}
     return {**item, "prompt": prompt_text(item)}
+
+
+OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
+
+
+def corrupt(metadata: Dict[str, Any], rng: np.random.Generator) -> Dict[str, Any]:
+    """A scene that fails the prompt in one requirement, the one its category tests: another
+    class (single object; one of two objects), count, colour or relation (the opposite one),
+    or the two colours swapped (colour attribution). Drawn, it is the rejected image of a
+    preference pair whose chosen image is the prompt's own scene. Its other keys (the prompt's
+    text) are the metadata's."""
+    tag, include = metadata["tag"], [dict(entry) for entry in metadata["include"]]
+    item: Dict[str, Any] = {"tag": tag, "include": include}
+    if tag in ("single_object", "two_object"):
+        index = int(rng.integers(len(include)))
+        others = [name for name in SHAPES if name not in {entry["class"] for entry in include}]
+        include[index]["class"] = others[int(rng.integers(len(others)))]
+    elif tag == "counting":
+        counts = [c for c in range(1, MAX_COUNT + 1) if c != include[0]["count"]]
+        include[0]["count"] = counts[int(rng.integers(len(counts)))]
+        item["exclude"] = [{"class": include[0]["class"], "count": include[0]["count"] + 1}]
+    elif tag == "colors":
+        others = [name for name in COLORS if name != include[0]["color"]]
+        include[0]["color"] = others[int(rng.integers(len(others)))]
+    elif tag == "position":
+        include[1]["position"] = [OPPOSITE[include[1]["position"][0]], include[1]["position"][1]]
+    elif tag == "color_attr":
+        include[0]["color"], include[1]["color"] = include[1]["color"], include[0]["color"]
+    return {**metadata, **item}
 
 
 def prompt_set(n: int, seed: int, avoid: Sequence[str] = (), avoid_tags: Sequence[str] = ()) -> List[Dict[str, Any]]:

@@ -13,6 +13,10 @@ decoded and resized to the training resolution whenever a pair is read, as real 
 images stay smooth, so a JPEG decodes faster than a photograph would). The same arguments
 always write the same pairs; images are made a chunk at a time, so a large set needs little
 memory.
+
+Scene pairs (`write_scene_pairs`, the compositional task of omni.scenes): for a training
+prompt, the chosen image is its scene and the rejected one a scene that fails it in the
+requirement its category tests (`omni.scenes.corrupt`), drawn from the same layout seed.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
@@ -174,3 +179,30 @@ def write_synthetic_video_pairs(
                         (out_dir / names[side] / f"{t:04d}.png").write_bytes(_encode(frame, "png"))
             lines.write(json.dumps({"prompt": prompts[i % len(prompts)], **names}) + "\n")
     return jsonl
+
+
+def _scene_pairs(n_pairs: int, resolution: int, seed: int, image_format: str):
+    """(index, prompt, chosen image bytes, rejected image bytes) for each scene pair, in order:
+    the training prompts in a seeded order, again and again."""
+    from omni import scenes
+    from omni.data.prompt_sets import load_prompt_set
+
+    rng = np.random.default_rng(seed)
+    prompts = load_prompt_set("omni:scenes_train")
+    order = rng.permutation(len(prompts)).tolist() * math.ceil(n_pairs / len(prompts))
+    for i in range(n_pairs):
+        item, layout_seed = prompts[order[i]].metadata, int(rng.integers(2**31))
+        chosen = scenes.render(item, resolution, layout_seed)
+        rejected = scenes.render(scenes.corrupt(item, rng), resolution, layout_seed)
+        yield i, str(prompts[order[i]]), _encode(chosen, image_format), _encode(rejected, image_format)
+
+
+def write_scene_pairs(
+    out_dir: str | os.PathLike, n_pairs: int, resolution: int = 64, seed: int = 0, image_format: str = "png"
+) -> Path:
+    """Write `n_pairs` scene pairs (the shipped training prompts, `omni:scenes_train`, in a
+    seeded order) as image files and `pairs.jsonl`; returns the JSONL file, for `data.pairs`."""
+    if n_pairs < 1 or resolution < 1:
+        raise ValueError(f"n_pairs and resolution must be positive, got {n_pairs} and {resolution}")
+    pairs = _scene_pairs(n_pairs, resolution, seed, image_format)
+    return _write_jsonl(Path(out_dir), pairs, IMAGE_FORMATS[image_format][1])

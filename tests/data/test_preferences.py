@@ -14,7 +14,7 @@ from PIL import Image
 from omni.data.pair_sources import load_preference_pairs
 from omni.data.preferences import PreferencePair, images_to_tensor
 from omni.data.prompts import load_prompts
-from omni.data.synthetic_pairs import write_synthetic_pairs
+from omni.data.synthetic_pairs import write_scene_pairs, write_synthetic_pairs
 
 HAS_PYARROW = importlib.util.find_spec("pyarrow") is not None
 HAS_DATASETS = importlib.util.find_spec("datasets") is not None
@@ -53,6 +53,29 @@ def test_synthetic_round_trip(tmp_path):
     assert all(isinstance(p, PreferencePair) and p.chosen.size == (16, 16) for p in pairs)
     assert all(_mean(p.chosen) > _mean(p.rejected) for p in pairs)  # chosen is always the brighter
     assert {p.prompt for p in pairs} <= set(load_prompts("omni:colors_train"))
+
+
+def test_scene_pairs_are_right_against_wrong_for_the_scene_reward(tmp_path):
+    """Each chosen image does what its training prompt asks and the rejected one does not, as
+    scene_geneval reads them back from the written files; the same seed writes the same set."""
+    from omni.rewards.scene_geneval import SceneGeneval, SceneGenevalOptions
+
+    jsonl = write_scene_pairs(tmp_path / "set", n_pairs=24, resolution=64, seed=3)
+    pairs, stats = load_preference_pairs(jsonl)
+    assert stats["pairs"] == 24
+    by_text = {str(p): p for p in load_prompts("omni:scenes_train")}
+    prompts = [by_text[p.prompt] for p in pairs]
+    assert len({p.metadata["tag"] for p in prompts}) == 6  # every category
+    reward = SceneGeneval("scene_geneval", SceneGenevalOptions())
+    for side, expected in (("chosen", 1.0), ("rejected", 0.0)):
+        images = images_to_tensor([getattr(p, side) for p in pairs], 64)
+        accuracy = reward.score_details(images, prompts)[1]["accuracy"]
+        assert accuracy.tolist() == [expected] * 24, side
+    again = write_scene_pairs(tmp_path / "again", n_pairs=24, resolution=64, seed=3)
+    assert again.read_text() == jsonl.read_text()
+    assert (again.parent / "images/pair_00005_rejected.png").read_bytes() == (
+        jsonl.parent / "images/pair_00005_rejected.png"
+    ).read_bytes()
 
 
 @pytest.mark.parametrize("layout", ["jsonl", "parquet"])
