@@ -27,6 +27,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from omni import checkpoint, results
 from omni.algorithms import get_algorithm
+from omni.async_rollout import AsyncRollouts
 from omni.atomic import write_text
 from omni.config import TrainConfig
 from omni.config.errors import ConfigError, require
@@ -109,6 +110,8 @@ class Trainer:
         # the gold rewards: scored on the evaluations' images, never trained on
         self.gold = WeightedReward(cfg.sentinel.gold, cfg.reward.batch_size) if watched and cfg.sentinel.gold else None
         self.position = "set-up"  # where the loop is, for a failure's message
+        self.rollouts: Optional[AsyncRollouts] = None  # trainer.rollout_mode=async
+        self.resumed_rollouts: Optional[dict] = None  # a checkpoint's pending async rollouts
 
     @property
     def worker(self):
@@ -131,6 +134,22 @@ class Trainer:
             self.load_checkpoint(self.resume_dir)
         elif self.cfg.model.lora is not None and self.cfg.model.lora.init_from is not None:
             self.load_initial_lora(self.cfg.model.lora.init_from)
+        if self.cfg.trainer.rollout_mode == "async":
+            self.start_async_rollouts()
+
+    def start_async_rollouts(self) -> None:
+        """The rollout group, holding the weights the first step starts from (and, on resume,
+        the rollouts the checkpoint had sampled ahead, redone from their seeds)."""
+        algorithm = self.algorithm
+        self.rollouts = AsyncRollouts(
+            self.ctx, lambda ctx, step: algorithm.rollout(step, ctx), model_path(self.cfg.model)
+        )
+        algorithm.rollouts = self.rollouts
+        current = self.worker.lora_state_dict()
+        if self.resumed_rollouts:
+            self.rollouts.load_state_dict(self.resumed_rollouts, self.start_step, current)
+        else:
+            self.rollouts.publish(self.start_step, current)
 
     def _resume_dir(self) -> Optional[Path]:
         """The checkpoint to continue from: `trainer.resume`, or with "auto" the newest intact
@@ -309,6 +328,8 @@ class Trainer:
                     trainer.lr * scale * lr_factor(step, trainer.steps, trainer.lr_schedule.value, trainer.warmup_steps)
                 )
                 metrics = {**self.algorithm.step(step), "train/lr": lr}
+                if self.rollouts is not None:  # the weights the rollouts submitted from now on use
+                    self.rollouts.publish(step + 1, self.worker.lora_state_dict())
                 if self.ema is not None:
                     self.ema.update(self.worker.lora_state_dict())
                 self.count_bad_step(metrics, step + 1)
@@ -395,6 +416,8 @@ class Trainer:
         }
         if self.sentinel is not None:
             state["sentinel"] = self.sentinel.state_dict()
+        if self.rollouts is not None:
+            state["async_rollouts"] = self.rollouts.state_dict()
         weights = self.worker.trained_state_dict()
         if self.ema is not None:
             state["trained_lora"], weights = weights, self.ema.weights(weights)
@@ -420,6 +443,7 @@ class Trainer:
         self.algorithm.load_state_dict(state.get("algorithm", {}), self.start_step)
         if self.sentinel is not None:
             self.sentinel.load_state_dict(state.get("sentinel", {}))
+        self.resumed_rollouts = state.get("async_rollouts")
 
     def load_initial_lora(self, path: str) -> None:
         """`model.lora.init_from`: the LoRA training starts from (checked at validation)."""
@@ -441,6 +465,8 @@ class Trainer:
     def cleanup(self) -> None:
         """Close what `setup` opened, also after a set-up that failed half-way."""
         self.algorithm.close()
+        if self.rollouts is not None:
+            self.rollouts.close()
         if self.ctx.logger is not None:
             self.ctx.logger.close()
         if self.worker is not None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from omni.algorithms import get_algorithm
+from omni.async_rollout import check_config as check_async
 from omni.checkpoint import CheckpointMismatch, DamagedCheckpoint, check_checkpoint, check_lora_file
 from omni.config import TrainConfig
 from omni.config.algorithm import AdvantageNorm
@@ -505,11 +506,13 @@ def check(cfg: TrainConfig, family: ModelFamily) -> None:
     dependency versions known to break a path the run takes (omni/known_bad.py)."""
     check_known_bad(cfg)
     check_model(cfg.model, family)
+    algorithm = _lookup(get_algorithm, cfg.algorithm.name)
+    check_async(cfg, algorithm)  # before the engine's own checks, which may probe a server
     check_rollout(cfg, family)
     check_resume(cfg.trainer, cfg.model)
     check_full_finetuning(cfg)
     check_memory(cfg, family)
-    _lookup(get_algorithm, cfg.algorithm.name).check_config(cfg)
+    algorithm.check_config(cfg)
     check_logger(cfg.logger, family)
     check_rewards(cfg.reward)
     check_aggregation(cfg)

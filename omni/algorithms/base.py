@@ -30,6 +30,11 @@ from omni.rollout.base import RolloutBatch
 class Algorithm:
     # The algorithm's options (an AlgorithmConfig subclass), stored as schema/algorithm/<name>.
     Options = AlgorithmConfig
+    # Whether its batches may be sampled ahead with older weights (trainer.rollout_mode=async,
+    # omni/async_rollout.py): its update reads the behaviour policy only through the log-probs
+    # stored with the batch, and its rollout is `rollout(step, ctx)`.
+    supports_async = False
+    rollouts = None  # the run's AsyncRollouts with trainer.rollout_mode=async, set by the trainer
 
     def __init__(self, ctx: StepContext):
         self.ctx, self.cfg = ctx, ctx.cfg
@@ -56,6 +61,15 @@ class Algorithm:
 
     def step(self, step: int) -> Dict[str, float]:
         raise NotImplementedError
+
+    def next_rollout(self, step: int) -> Tuple["ScoredRollout", Dict[str, float]]:
+        """Step `step`'s scored rollout: sampled now with the current weights, or taken from the
+        rollouts sampled ahead (with its staleness, in updates, as a metric)."""
+        if self.rollouts is None:
+            return self.rollout(step), {}
+        scored, staleness = self.rollouts.take(step)
+        self.ctx.log_images(scored.batch.images, step)
+        return scored, {"train/staleness": float(staleness)}
 
     def evaluate(self) -> Dict[str, float]:
         """Held-out metrics beyond the reward (e.g. DPO's implicit accuracy)."""

@@ -80,6 +80,7 @@ class FlowDPPO(FlowGRPO):
     """Flow-GRPO's step; the update masks by the steps' divergence instead of clipping."""
 
     Options = FlowDPPOConfig  # its options: schema/algorithm/flow_dppo
+    supports_async = False  # its loss reads the rollout's step means under the current weights
 
     update = staticmethod(update)
 

@@ -28,7 +28,7 @@ from omni.algorithms.advantages import clip_advantages
 from omni.algorithms.base import Algorithm, ScoredRollout, grouped_rollout, sync_engine
 from omni.config.algorithm import CFGGradient, GroupAdvantageConfig, KLType
 from omni.config.errors import require
-from omni.context import update_seed
+from omni.context import StepContext, update_seed
 from omni.models import get_family
 from omni.rollout.base import RolloutBatch
 from omni.rollout.sde import noisy_steps, sde_step
@@ -316,6 +316,7 @@ class FlowGRPO(Algorithm):
     `update` (a module-level function, so a Ray group can ship it)."""
 
     Options = FlowGRPOConfig  # its options: schema/algorithm/flow_grpo
+    supports_async = True
 
     update = staticmethod(update)
 
@@ -332,9 +333,10 @@ class FlowGRPO(Algorithm):
         """Step `step`'s SDE steps [start, stop): all, or Flow-GRPO-Fast's random window."""
         return self.ctx.sde_window(step, self.cfg.algorithm.sde_window_size, self.cfg.algorithm.sde_window_range)
 
-    def rollout(self, step: int) -> ScoredRollout:
-        """Step `step`'s groups, sampled with the SDE on its window, and scored."""
-        return grouped_rollout(self.ctx, step, self.cfg.algorithm.group_size, self.window(step))
+    def rollout(self, step: int, ctx: Optional[StepContext] = None) -> ScoredRollout:
+        """Step `step`'s groups, sampled with the SDE on its window (by `ctx`'s worker: the
+        run's, or the rollout group's), and scored."""
+        return grouped_rollout(ctx or self.ctx, step, self.cfg.algorithm.group_size, self.window(step))
 
     def update_batch(self, rollout: ScoredRollout) -> Tuple[GRPOBatch, Dict[str, float]]:
         """What the update trains on: the rollout with its clipped group advantages (and
@@ -345,7 +347,7 @@ class FlowGRPO(Algorithm):
 
     def step(self, step: int) -> Dict[str, float]:
         worker = self.ctx.worker
-        rollout = self.rollout(step)
+        rollout, staleness = self.next_rollout(step)
         batch, shaping = self.update_batch(rollout)
         tick = time.perf_counter()
         metrics = {**worker.apply_update(self.update, batch, update_seed(self.cfg.seed, step)), **shaping}
@@ -353,7 +355,7 @@ class FlowGRPO(Algorithm):
         timings.update(sync_engine(worker))
         # the advantages' own metrics (reward/<name>/...) keep their names; the rest are the update's
         train = {k if k.startswith("reward/") else f"train/{k}": v for k, v in metrics.items()}
-        return {**rollout.reward_metrics(), **train, **timings}
+        return {**rollout.reward_metrics(), **train, **timings, **staleness}
 
 
 def check_policy_config(cfg) -> None:

@@ -225,6 +225,7 @@ class GARDO(FlowGRPO):
     gate, and the reference is reset to the policy between steps."""
 
     Options = GARDOConfig  # its options: schema/algorithm/gardo
+    supports_async = False  # it resets the reference to the policy between rollout and update
 
     def __init__(self, ctx):
         super().__init__(ctx)

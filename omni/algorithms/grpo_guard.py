@@ -71,6 +71,8 @@ def update(worker, batch: GRPOBatch, seed: int, first: int = 0, total: int = 0) 
 class GRPOGuard(FlowGRPO):
     """Flow-GRPO's step and checks; the update regulates the ratio per denoising step."""
 
+    supports_async = False  # its loss reads the rollout's step means under the current weights
+
     update = staticmethod(update)
 
 

@@ -150,6 +150,7 @@ class TreeGRPO(FlowGRPO):
     -> clipped-ratio update on the branch steps -> weight sync."""
 
     Options = TreeGRPOConfig  # its options: schema/algorithm/tree_grpo
+    supports_async = False  # its rollout and its minibatch plan are its own
 
     update = staticmethod(update)
 

@@ -7,6 +7,9 @@ from typing import Optional
 
 from omni.config.errors import require
 
+# trainer.rollout_mode (a str: OmegaConf reads an enum by member name, and `async` is a keyword)
+ROLLOUT_MODES = ("sync", "async")
+
 
 class LRSchedule(str, Enum):
     constant = "constant"
@@ -43,6 +46,12 @@ class TrainerConfig:
     # A running Ray cluster to attach to ("auto", or host:port of its head); None: start a
     # local Ray instance for the run (only when n_workers > 1).
     ray_address: Optional[str] = None
+    # sync: sample, then update, each step. async: `rollout_workers` Ray workers sample the next
+    # steps with weights at most `max_staleness` updates old while the trainer's workers update
+    # (omni/async_rollout.py); max_staleness=0 is the synchronous run, on separate workers.
+    rollout_mode: str = "sync"
+    max_staleness: int = 1
+    rollout_workers: int = 1
     # How long to wait for Ray to place the workers before failing (others hold the resources).
     placement_timeout_s: float = 120.0
     # Checkpoint every N steps (0: only at the end).
@@ -96,6 +105,7 @@ class TrainerConfig:
             f"trainer.batch_size={self.batch_size} does not split evenly over trainer.n_workers={self.n_workers}",
         )
         self._check_layout()
+        self._check_rollout_mode()
 
     def _check_layout(self) -> None:
         """Workers, nodes and GPUs that describe one layout (see omni.workers.ray_cluster)."""
@@ -120,10 +130,24 @@ class TrainerConfig:
                 f"set trainer.n_gpus_per_node",
             )
         require(
-            self.ray_address is None or workers > 1,
+            self.ray_address is None or workers > 1 or self.rollout_mode == "async",
             f"trainer.ray_address={self.ray_address} with trainer.n_workers=1: one worker runs in this process "
             f"without Ray; set trainer.n_workers > 1 to use the cluster",
         )
         require(
             self.placement_timeout_s > 0, f"trainer.placement_timeout_s={self.placement_timeout_s} must be positive"
         )
+
+    def _check_rollout_mode(self) -> None:
+        require(
+            self.rollout_mode in ROLLOUT_MODES,
+            f"trainer.rollout_mode={self.rollout_mode} must be one of {', '.join(ROLLOUT_MODES)}",
+        )
+        require(self.max_staleness >= 0, f"trainer.max_staleness={self.max_staleness} must be >= 0")
+        require(self.rollout_workers >= 1, f"trainer.rollout_workers={self.rollout_workers} must be >= 1")
+        if self.rollout_mode == "async":
+            require(
+                self.batch_size % self.rollout_workers == 0,
+                f"trainer.batch_size={self.batch_size} does not split evenly over "
+                f"trainer.rollout_workers={self.rollout_workers}",
+            )
