@@ -89,8 +89,11 @@ def average_gradients(params: Sequence[torch.Tensor]) -> None:
 
 
 def clip_grad_norm(module: nn.Module, params, max_norm: float) -> torch.Tensor:
-    """Clip the global gradient norm, whatever the wrapping; returns the norm before clipping."""
+    """Clip the global gradient norm, whatever the wrapping; returns the norm before clipping.
+    `max_norm` 0: no clipping (torch would scale every gradient to 0), the norm still measured."""
     from torch.distributed.fsdp import FullyShardedDataParallel
+
+    max_norm = max_norm if max_norm > 0 else float("inf")
 
     if isinstance(module, FullyShardedDataParallel):
         return module.clip_grad_norm_(max_norm)
