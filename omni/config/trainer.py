@@ -11,6 +11,11 @@ from omni.config.errors import require
 ROLLOUT_MODES = ("sync", "async")
 
 
+class Optimizer(str, Enum):
+    adamw = "adamw"
+    sgd = "sgd"  # plain SGD (no momentum): its step is the gradient, scaled by the lr
+
+
 class LRSchedule(str, Enum):
     constant = "constant"
     linear = "linear"  # from trainer.lr down towards 0 at the last step
@@ -30,6 +35,8 @@ class TrainerConfig:
     lr_schedule: LRSchedule = LRSchedule.constant
     warmup_steps: int = 0
     weight_decay: float = 1e-4
+    optimizer: Optimizer = Optimizer.adamw
+    # Clip the global gradient norm to this (0: no clipping; the norm is logged either way).
     max_grad_norm: float = 1.0
     device: str = "auto"
     # GiB one device may hold: validation estimates the run's peak per device (omni/memory.py,

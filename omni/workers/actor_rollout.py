@@ -34,6 +34,7 @@ from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
+from omni.config.trainer import Optimizer
 from omni.devices import torch_dtype
 from omni.distributed import destroy_process_group, init_process_group, pick_device
 from omni.fsdp_utils import collect_lora_params, state_nbytes
@@ -138,9 +139,9 @@ class ActorRolloutWorker:
             actor.enable_gradient_checkpointing()  # per block, before FSDP wraps the blocks
         self.actor = wrap_fsdp(actor, fsdp_version, prefixes, self.device, self.dtype)
         self.trainable = [p for p in self.actor.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.trainable, lr=self.cfg.trainer.lr, weight_decay=self.cfg.trainer.weight_decay
-        )
+        trainer = self.cfg.trainer
+        optimizer = torch.optim.SGD if trainer.optimizer == Optimizer.sgd else torch.optim.AdamW
+        self.optimizer = optimizer(self.trainable, lr=trainer.lr, weight_decay=trainer.weight_decay)
         shared = self.actor if shares_actor(self.cfg) else None
         self.engine = build_engine(self.cfg, self.family, self.model_path, self.device, self.dtype, actor=shared)
         self.parity = None if self.engine.shares_actor else ParityGate.of_run(self.cfg)

@@ -65,9 +65,13 @@ def max_difference(a: dict, b: dict) -> float:
 # a copy synced one block at a time; Qwen-Image (true CFG, prompts padded to each batch's
 # longest) under FSDP1, its engine synced whole. The cells of tests/test_fsdp_utils.py
 # collect from both families under FSDP1 and FSDP2.
+# SD3's two cells also hold the optimizers: FSDP2 with AdamW and its gradient clipped (active:
+# the norm is over ten times 1e-5), the replicated base with plain SGD and no clipping, whose step is
+# the gradient itself (AdamW and clipping would both hide a gradient scaled by a constant).
+CLIPPED = "trainer.max_grad_norm=1e-5"
 MODELS = {
-    "sd3-fsdp2": ["model.fsdp.version=2"],
-    "sd3-replicated": [],
+    "sd3-fsdp2": ["model.fsdp.version=2", CLIPPED],
+    "sd3-replicated": ["trainer.optimizer=sgd", "trainer.max_grad_norm=0", "trainer.lr=100"],
     "flux-layered": [
         "model=flux_tiny",
         "model.fsdp.version=2",
@@ -135,6 +139,8 @@ def test_two_workers_match_one_worker(model, tiny_cache, tmp_path):
     assert max_difference(two_lora, one_lora) < tolerance
     # Adam's first steps hardly depend on the gradient's scale: the norm checks the normalisation
     assert two_metrics["grad_norm"] == pytest.approx(one_metrics["grad_norm"], rel=1e-4)
+    if CLIPPED in MODELS[model]:
+        assert one_metrics["grad_norm"] > 1e-4, "the clipping was not active"
     assert (two_after.log_probs - one_after.log_probs).abs().max() < 1e-5
 
 
