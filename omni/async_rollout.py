@@ -76,6 +76,28 @@ def check_config(cfg, algorithm) -> None:
     )
 
 
+def check_cluster(trainer) -> None:
+    """Fail, naming the keys, when the Ray cluster cannot hold the rollout workers and the
+    training workers (on Ray when more than one) together, each one CPU (and one GPU on GPU runs)."""
+    import ray
+
+    from omni.workers.errors import ResourcesUnavailable
+
+    training = trainer.n_workers if trainer.n_workers > 1 else 0
+    workers = trainer.rollout_workers + training
+    need = {"CPU": workers, **({"GPU": workers} if trainer.n_gpus_per_node > 0 else {})}
+    have = ray.cluster_resources()
+    if all(have.get(key, 0) >= amount for key, amount in need.items()):
+        return
+    raise ResourcesUnavailable(
+        f"trainer.rollout_mode=async: trainer.rollout_workers={trainer.rollout_workers} rollout workers and "
+        f"{training} training workers on Ray (trainer.n_workers={trainer.n_workers}; one trains in this process) "
+        f"need {need}, but the Ray cluster has {{'CPU': {have.get('CPU', 0):g}, 'GPU': {have.get('GPU', 0):g}}}. "
+        "Lower trainer.rollout_workers or trainer.n_workers, or add machines (ray start --address=...) and "
+        "attach with trainer.ray_address"
+    )
+
+
 def rollout_group_config(cfg):
     """The config of the rollout group: `trainer.rollout_workers` workers on one node (one GPU
     each on GPU runs), the rest of the run's settings unchanged."""
@@ -93,12 +115,11 @@ class AsyncRollouts:
     def __init__(self, ctx, rollout: Callable, model_path: str, group=None):
         """`rollout(ctx, step)`: the algorithm's scored rollout of `step` on a context;
         `group`: the rollout workers (`ActorRolloutGroup`), built from the run's config if None."""
-        from omni.workers.ray_group import ActorRolloutGroup
-
         self.cfg = ctx.cfg
         self.max_staleness = self.cfg.trainer.max_staleness
         self.owns_group = group is None  # a group handed in is closed by whoever made it
-        self.group = group if group is not None else ActorRolloutGroup(rollout_group_config(self.cfg), model_path)
+        self.connected = False
+        self.group = group if group is not None else self.start_group(model_path)
         # the rollout thread's context: the rollout group samples, nothing is logged from the thread
         self.ctx = replace(ctx, worker=self.group, logger=None)
         self.rollout = rollout
@@ -108,6 +129,20 @@ class AsyncRollouts:
         self.pending: Dict[int, Tuple[int, Future]] = {}  # step -> (version, its scored rollout)
         self.submitted = -1  # the last step submitted
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-rollout")
+
+    def start_group(self, model_path: str):
+        """Attach to Ray (or start it), check that the cluster holds the rollout and training
+        workers, then start the rollout group."""
+        from omni.workers import ray_cluster
+        from omni.workers.ray_group import ActorRolloutGroup
+
+        self.connected = ray_cluster.connect(self.cfg.trainer.ray_address)
+        try:
+            check_cluster(self.cfg.trainer)
+            return ActorRolloutGroup(rollout_group_config(self.cfg), model_path)
+        except BaseException:
+            ray_cluster.disconnect(self.connected)
+            raise
 
     def publish(self, version: int, lora: Dict[str, torch.Tensor]) -> None:
         """Weights version `version` (the LoRA after `version` updates); versions no pending or
@@ -173,4 +208,7 @@ class AsyncRollouts:
         self.thread.shutdown(wait=True)
         self.pending.clear()
         if self.owns_group:
+            from omni.workers import ray_cluster
+
             self.group.shutdown()
+            ray_cluster.disconnect(self.connected)

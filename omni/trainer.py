@@ -127,6 +127,11 @@ class Trainer:
             self.gold.setup()
         keep_reference = self.algorithm.uses_reference(self.cfg)
         snapshots = self.algorithm.snapshot_adapters(self.cfg)
+        if self.cfg.trainer.rollout_mode == "async":  # first: it checks the cluster for both groups
+            algorithm = self.algorithm
+            self.rollouts = AsyncRollouts(
+                self.ctx, lambda ctx, step: algorithm.rollout(step, ctx), model_path(self.cfg.model)
+            )
         self.ctx.worker = build_actor_rollout(self.cfg, model_path(self.cfg.model), keep_reference, snapshots)
         self.algorithm.setup()
         self.ctx.logger = MetricsLogger(self.cfg, self.output_dir)
@@ -134,17 +139,13 @@ class Trainer:
             self.load_checkpoint(self.resume_dir)
         elif self.cfg.model.lora is not None and self.cfg.model.lora.init_from is not None:
             self.load_initial_lora(self.cfg.model.lora.init_from)
-        if self.cfg.trainer.rollout_mode == "async":
+        if self.rollouts is not None:
             self.start_async_rollouts()
 
     def start_async_rollouts(self) -> None:
-        """The rollout group, holding the weights the first step starts from (and, on resume,
-        the rollouts the checkpoint had sampled ahead, redone from their seeds)."""
-        algorithm = self.algorithm
-        self.rollouts = AsyncRollouts(
-            self.ctx, lambda ctx, step: algorithm.rollout(step, ctx), model_path(self.cfg.model)
-        )
-        algorithm.rollouts = self.rollouts
+        """The rollout group gets the weights the first step starts from (and, on resume, the
+        rollouts the checkpoint had sampled ahead, redone from their seeds)."""
+        self.algorithm.rollouts = self.rollouts
         current = self.worker.lora_state_dict()
         if self.resumed_rollouts:
             self.rollouts.load_state_dict(self.resumed_rollouts, self.start_step, current)
@@ -324,14 +325,7 @@ class Trainer:
         with logging_redirect_tqdm():  # log lines above the bar, not through it
             for step in bar:
                 self.position = f"training step {step + 1}"
-                lr = self.worker.set_lr(
-                    trainer.lr * scale * lr_factor(step, trainer.steps, trainer.lr_schedule.value, trainer.warmup_steps)
-                )
-                metrics = {**self.algorithm.step(step), "train/lr": lr}
-                if self.rollouts is not None:  # the weights the rollouts submitted from now on use
-                    self.rollouts.publish(step + 1, self.worker.lora_state_dict())
-                if self.ema is not None:
-                    self.ema.update(self.worker.lora_state_dict())
+                metrics = self.run_step(step, scale)
                 self.count_bad_step(metrics, step + 1)
                 bar.set_postfix(progress_fields(metrics), refresh=False)
                 done, found = step + 1, []
@@ -346,6 +340,19 @@ class Trainer:
                 if trainer.save_every and done % trainer.save_every == 0 and done < trainer.steps:
                     self.save_checkpoint(done)
         return True
+
+    def run_step(self, step: int, lr_scale: float = 1.0) -> Dict[str, float]:
+        """One training step at its learning rate; then the new weights go to the rollouts
+        sampled ahead (async) and into the EMA."""
+        trainer = self.cfg.trainer
+        factor = lr_factor(step, trainer.steps, trainer.lr_schedule.value, trainer.warmup_steps)
+        lr = self.worker.set_lr(trainer.lr * lr_scale * factor)
+        metrics = {**self.algorithm.step(step), "train/lr": lr}
+        if self.rollouts is not None:  # the weights the rollouts submitted from now on use
+            self.rollouts.publish(step + 1, self.worker.lora_state_dict())
+        if self.ema is not None:
+            self.ema.update(self.worker.lora_state_dict())
+        return metrics
 
     def count_bad_step(self, metrics: Dict[str, float], step: int) -> None:
         """A step whose optimizer steps were skipped for a non-finite gradient (the weights
@@ -465,12 +472,12 @@ class Trainer:
     def cleanup(self) -> None:
         """Close what `setup` opened, also after a set-up that failed half-way."""
         self.algorithm.close()
-        if self.rollouts is not None:
-            self.rollouts.close()
         if self.ctx.logger is not None:
             self.ctx.logger.close()
         if self.worker is not None:
             self.worker.shutdown()
+        if self.rollouts is not None:  # after the training group: it may own the Ray connection
+            self.rollouts.close()
         self.ctx.reward.teardown()
         self.evaluator.close()
         if self.gold is not None:

@@ -1,7 +1,8 @@
 """trainer.rollout_mode=async (omni/async_rollout.py): a rollout is sampled with the weights
 version it was pinned to, a stale batch is scored against its own behaviour log-probs, bad
 settings fail before any model loads; on Ray (slow), max_staleness=0 is the synchronous run
-bit for bit and a resumed run redoes its pending rollouts exactly."""
+bit for bit, a resumed run redoes its pending rollouts exactly, and more rollout workers than
+the cluster holds fail before any model loads."""
 
 from __future__ import annotations
 
@@ -149,3 +150,13 @@ def test_async_at_staleness_zero_is_the_synchronous_run_and_a_stale_run_resumes_
     assert [value for _, value in history["train/staleness"]] == [0.0, 1.0, 1.0]
     resume = f"trainer.resume={tmp_path / 'async1' / 'checkpoints' / 'step_000001'}"
     assert max_difference(stale, run_lora(tmp_path / "resumed", tiny_cache, *stale_run, resume, step=3)) == 0
+
+
+@pytest.mark.slow
+def test_rollout_workers_the_cluster_cannot_hold_fail_before_any_model_loads(tmp_path, tiny_cache):
+    with one_process_group_at_a_time():
+        result = train(tmp_path / "run", tiny_cache, *SMALL, ASYNC, "trainer.rollout_workers=8", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "trainer.rollout_workers=8" in output and "the Ray cluster has" in output, output[-3000:]
+    assert "Loading pipeline components" not in output

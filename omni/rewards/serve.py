@@ -13,6 +13,7 @@ one at a time (a reward model is not assumed thread-safe). Needs the `reward-htt
 # run time, and `fastapi` is imported lazily (an extra), so string annotations would not resolve.
 import argparse
 import logging
+import time
 from typing import List, Optional, Sequence
 
 from omni.rewards import REWARDS, WeightedReward, reward_options
@@ -22,9 +23,10 @@ from omni.serving import OneAtATime, import_server
 logger = logging.getLogger("omni.rewards.serve")
 
 
-def build_app(reward: WeightedReward):
+def build_app(reward: WeightedReward, latency_s: float = 0.0):
     """The ASGI app serving `reward` (set up by the caller): GET /health, POST /score; the
-    bodies are `omni.rewards.schemas`' models, which /docs shows."""
+    bodies are `omni.rewards.schemas`' models, which /docs shows. `latency_s`: seconds added
+    to every scoring, standing in for a remote reward model in benchmarks."""
     fastapi, _ = import_server("the reward server")
     from fastapi.exceptions import RequestValidationError
 
@@ -49,6 +51,7 @@ def build_app(reward: WeightedReward):
                         raise ValueError(f"{prompt.origin} ({str(prompt)[:80]!r}): reward '{name}' needs {problem}")
         except ValueError as error:
             raise fastapi.HTTPException(status_code=400, detail=str(error)) from None
+        time.sleep(latency_s)
         try:
             return scores_answer(reward(images, prompts)["reward"])
         except Exception as error:  # the reward failed: the client is told why (and retries)
@@ -89,6 +92,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
+        "--latency-s", type=float, default=0.0, help="seconds added to every scoring (a slow reward, for benchmarks)"
+    )
+    parser.add_argument(
         "overrides", nargs="*", help="config overrides, e.g. reward=pickscore reward.components.pickscore.path=..."
     )
     args = parser.parse_args(argv)
@@ -103,7 +109,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     reward.setup()
     try:
         logger.info("serving %s on http://%s:%d", list(reward.rewards), args.host, args.port)
-        uvicorn.run(build_app(reward), host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(build_app(reward, args.latency_s), host=args.host, port=args.port, log_level="warning")
     finally:
         reward.teardown()
 

@@ -16,6 +16,7 @@ raises `WorkerFailure` naming it.
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 from typing import Callable, Dict, List, Sequence
 
@@ -35,6 +36,7 @@ from omni.workers.errors import WorkerFailure
 # Tests only: "<rank>:<n>" makes that worker's process exit during its n-th update.
 CRASH_HOOK_ENV = "OMNI_TEST_CRASH_WORKER_AT_UPDATE"
 SHUTDOWN_TIMEOUT_S = 60
+GROUP_NUMBERS = itertools.count()
 
 
 class RayActorRolloutWorker(Worker):
@@ -150,7 +152,9 @@ class ActorRolloutGroup:
         )
         crash_hook = {CRASH_HOOK_ENV: os.environ[CRASH_HOOK_ENV]} if CRASH_HOOK_ENV in os.environ else {}
         device = "cuda" if layout.use_gpu else "cpu"
-        return RayWorkerGroup(pool, worker_class, name_prefix="omni_", device_name=device, worker_env=crash_hook)
+        # a name of its own: a run may hold two groups (training and async rollout), a process several runs
+        prefix = f"omni_{os.getpid()}_{next(GROUP_NUMBERS)}_"
+        return RayWorkerGroup(pool, worker_class, name_prefix=prefix, device_name=device, worker_env=crash_hook)
 
     @property
     def world_size(self) -> int:
