@@ -349,8 +349,14 @@ def check_prompts(cfg: TrainConfig, family: ModelFamily) -> None:
             prompts = load_prompt_set(spec, key, data.skip_bad_rows)
         except (OSError, ValueError) as error:
             raise ConfigError(str(error)) from None
+        eval_resolution = cfg.eval.resolution or cfg.rollout.resolution
+        sizes = {cfg.rollout.resolution} if key == "data.train" else set()
+        sizes |= {eval_resolution} if key == eval_key else set()
         for prompt in prompts:
             check_sources(prompt, f"{key}={spec}", family)
+            for resolution in sorted(sizes):
+                problem = family.source_problem(prompt, resolution)
+                require(problem is None, f"{key}={spec}: {prompt.origin}: {problem}")
         needs = [("reward.components", components)] + ([("eval.rewards", extra)] if key == eval_key else [])
         for where, rewards in needs:
             for name, options in rewards.items():

@@ -234,6 +234,11 @@ class ModelFamily:
         and `width`); {} for text-to-image."""
         return {}
 
+    def source_problem(self, prompt, resolution: int) -> Optional[str]:
+        """What makes an (edit) prompt's sources unusable for outputs `resolution` pixels
+        square, checked at validation before any model loads; None: nothing."""
+        return None
+
     # ----------------------------------------------------------------- loading
     def _diffusers(self, name: str):
         import diffusers
@@ -291,6 +296,12 @@ class ModelFamily:
         self, pipe, prompts: List[str], guidance_scale: float, max_sequence_length: int, device
     ) -> Conditioning:
         raise NotImplementedError
+
+    def complete_conditioning(self, pipe, cond: Conditioning, resolution: int, num_frames: int) -> Conditioning:
+        """The prompts' conditioning completed with what depends on the sampling's size (an
+        image-to-video family's first-frame condition, whose length is the clip's); most
+        families have nothing to add."""
+        return cond
 
     def sigmas(self, pipe, num_steps: int, resolution: int) -> torch.Tensor:
         """The scheduler's noise levels for `num_steps` steps: (num_steps + 1,) on the CPU."""

@@ -213,6 +213,7 @@ def sample_rollout(
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     sigmas = family.sigmas(pipe, options.num_steps, options.resolution)
     cond = prompt_cache.encode(prompts, options.guidance_scale, options.max_sequence_length)
+    cond = family.complete_conditioning(pipe, cond, options.resolution, options.num_frames)
     if options.tree:  # TreeGRPO's groups, each one tree (keeps no unconditional velocities)
         latents, log_probs, images = sample_trees(
             family, pipe, prompts, seeds, cond, sigmas, options, micro_batch_size, device, dtype

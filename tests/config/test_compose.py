@@ -37,7 +37,9 @@ EDIT_MODELS = tuple(
 EDIT_DATA = ("edits", "recolor")
 EDIT_REWARDS = ("edit", "edit_consistency")
 # A video model scores clips and a clip reward needs a video model (validation refuses mixing them).
-VIDEO_MODELS = ("wan", "wan_tiny", "wan22", "wan22_tiny")
+VIDEO_MODELS = tuple(
+    p.stem for p in (Path(CONF_DIR) / "model").glob("*.yaml") if get_family(OmegaConf.load(p).family).video
+)
 VIDEO_REWARDS = ("frame_brightness", "temporal_consistency")
 
 
@@ -63,6 +65,8 @@ def compose_and_validate(choice: dict, tiny_cache, synthetic_pairs, tmp_path):
         overrides.append("model=flux_kontext_tiny")
     if choice.get("data") == "edits":  # the user's own edit set: data.train is theirs to name
         overrides.append("data.train=omni:recolor_train")
+    if choice.get("model") in set(VIDEO_MODELS) & set(EDIT_MODELS):  # image-to-video samples at its first frames' size
+        overrides.append("model.resolution=64")  # the recolor scenes'
     if choice.get("model") in VIDEO_MODELS and "reward" not in choice:
         overrides.append("reward=frame_brightness")
     if choice.get("reward") in VIDEO_REWARDS and "model" not in choice:

@@ -37,7 +37,7 @@ NAMES = FAMILIES.names()
 # a tuple: ZImagePipeline rewrites a prompt list in place (its chat template), so each call gets a copy
 PROMPTS = ("a red cat", "a blue dog with a tree")
 SEEDS = [3, 4]
-STEPS, TEXT_LENGTH = 3, 16
+STEPS = 3  # text: each tiny config's max_sequence_length
 # Guidance the contract samples with beside the tiny config's own: classifier-free guidance
 # (or FLUX.1-dev's distilled guidance) at a scale every family takes.
 GUIDED = 4.0
@@ -156,7 +156,8 @@ def test_missing_local_path_is_named_before_any_model_loads(name, tmp_path, monk
 def ode_sample(family, pipe, guidance_scale, settings):
     """Our sampler with every step an ODE step."""
     options = SamplingOptions(
-        STEPS, settings["resolution"], guidance_scale, noise_level=0.7, max_sequence_length=TEXT_LENGTH,
+        STEPS, settings["resolution"], guidance_scale, noise_level=0.7,
+        max_sequence_length=settings["max_sequence_length"],
         sde_steps=(0, 0), num_frames=settings.get("num_frames", 1),
     )  # fmt: skip
     prompts = contract_prompts(family)
@@ -175,7 +176,8 @@ def pipeline_output(family, pipe, guidance_scale, settings):
         # by keyword: Flux2KleinPipeline takes a conditioning image first
         out = pipe(
             prompt=[str(p) for p in batch], height=size, width=size, num_inference_steps=STEPS,
-            max_sequence_length=TEXT_LENGTH, generator=[torch.Generator().manual_seed(s) for s in seeds],
+            max_sequence_length=settings["max_sequence_length"],
+            generator=[torch.Generator().manual_seed(s) for s in seeds],
             output_type="pt", **video, **family.pipeline_guidance(guidance_scale),
             **family.pipeline_sources(batch, size),
         )  # fmt: skip
@@ -213,7 +215,9 @@ def random_lora(family, path, exclude=()):
 
 def velocity_inputs(family, pipe, settings, guidance):
     """Conditioning, initial latents (the sampler's own layout) and two noise levels."""
-    cond = family.encode_prompts(pipe, contract_prompts(family), guidance, TEXT_LENGTH, "cpu")
+    text_length = settings["max_sequence_length"]
+    cond = family.encode_prompts(pipe, contract_prompts(family), guidance, text_length, "cpu")
+    cond = family.complete_conditioning(pipe, cond, settings["resolution"], settings.get("num_frames", 1))
     generators = [torch.Generator().manual_seed(s) for s in SEEDS]
     latents = family.initial_latents(pipe, generators, settings["resolution"], settings.get("num_frames", 1))
     return cond, latents, torch.tensor([0.9, 0.4])
