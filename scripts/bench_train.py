@@ -17,6 +17,8 @@ with other settings or on another day are not comparable.
 - update: Flow-GRPO training transitions (sample x step) per second;
 - step: seconds per Flow-GRPO training step (rollout + reward + update + weight sync) of
   `trainer.batch_size` images (8 unless overridden, 4 per prompt), with its phases;
+- roofline: the step's FLOPs per phase (counted by torch's FlopCounterMode) over its seconds,
+  against this machine's fp32 matmul rate at the same threads (omni/bench/roofline.py);
 - dpo: seconds per preference pair of an offline DPO update.
 With --reward-overlap, only this: Flow-GRPO steps (8 images in 4 parts of 2) with a reward
 made as slow as the rollout (brightness after a sleep, as a remote judge would wait), with
@@ -37,6 +39,7 @@ from pathlib import Path
 import torch
 
 from omni.algorithms import flow_grpo
+from omni.bench.roofline import roofline
 from omni.composing import compose_train
 from omni.context import step_seeds
 from omni.rewards.base import Reward, RewardOptions
@@ -172,6 +175,19 @@ def bench_step(trainer: Trainer, repeats: int) -> dict:
     return {"seconds_per_step": seconds, **{key: metrics[key] for key in sorted(metrics) if key.startswith("time/")}}
 
 
+def bench_roofline(trainer: Trainer, repeats: int) -> dict:
+    counter = iter(range(10_000))
+
+    def step():
+        tick = time.perf_counter()
+        metrics = trainer.algorithm.step(next(counter))
+        return {**metrics, "step": time.perf_counter() - tick}
+
+    _, metrics = fastest(step, repeats)
+    seconds = {key: metrics[key] for key in metrics if key.startswith("time/") or key == "step"}
+    return roofline(trainer, seconds, next(counter))
+
+
 def bench_dpo(out_dir: str, repeats: int, overrides=()) -> dict:
     from omni.data.synthetic_pairs import write_synthetic_pairs
 
@@ -244,6 +260,7 @@ PARTS = {
     "rollout": lambda trainer, repeats: bench_rollout(trainer, 8, repeats),
     "update": bench_update,
     "step": bench_step,
+    "roofline": bench_roofline,
     "dpo": None,  # builds its own trainer
 }
 
@@ -265,7 +282,7 @@ def main() -> None:
             print(json.dumps(bench_reward_overlap(out_dir, args.repeats, overrides), indent=2))
             return
         result = {}
-        on_trainer = [part for part in ("rollout", "update", "step") if part in args.parts]
+        on_trainer = [part for part in ("rollout", "update", "step", "roofline") if part in args.parts]
         if on_trainer:
             trainer = make_trainer(out_dir, "trainer.batch_size=8", "algorithm.group_size=4", *overrides)
             result["settings"] = settings(trainer)
