@@ -253,8 +253,9 @@ class WanFamily(ModelFamily):
     def initial_latents(
         self, pipe, generators: Sequence[torch.Generator], resolution: int, num_frames: int = 1
     ) -> torch.Tensor:
-        """Noise (B, C, (F - 1) / 4 + 1, H / 8, W / 8), one clip per generator."""
-        channels = pipe.transformer.config.in_channels
+        """Noise (B, C, (F - 1) / 4 + 1, H / 8, W / 8) of the VAE's C channels (an image-to-video
+        transformer takes more: its condition's), one clip per generator."""
+        channels = pipe.vae.config.z_dim
         frames = (num_frames - 1) // pipe.vae_scale_factor_temporal + 1
         size = resolution // pipe.vae_scale_factor_spatial
         return torch.stack([torch.randn(channels, frames, size, size, generator=g) for g in generators])

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 
@@ -216,15 +216,6 @@ class WanI2VFamily(wan.WanFamily):
         mask[:, :, 0] = 1
         condition = torch.cat([mask, latents], 1).to(cond.embeds.device, cond.embeds.dtype)
         return WanI2VConditioning(cond.embeds, cond.neg_embeds, cond.image_embeds, cond.first_frame, condition)
-
-    def initial_latents(
-        self, pipe, generators: Sequence[torch.Generator], resolution: int, num_frames: int = 1
-    ) -> torch.Tensor:
-        """Noise of the VAE's channels (the transformer also takes the condition's)."""
-        channels = pipe.vae.config.z_dim
-        frames = (num_frames - 1) // pipe.vae_scale_factor_temporal + 1
-        size = resolution // pipe.vae_scale_factor_spatial
-        return torch.stack([torch.randn(channels, frames, size, size, generator=g) for g in generators])
 
     def velocity_pass(self, transformer, latents, sigmas, cond: WanI2VConditioning, negative: bool = False):
         embeds = cond.neg_embeds if negative else cond.embeds
