@@ -20,7 +20,8 @@ Off-policy correction: the update's importance ratio is taken against the behavi
 log-probs stored with the batch (the rollout group's, of the pinned version), and clipped by
 the algorithm's `clip_range`, as PPO does with a stale buffer; no second ratio to the current
 weights (decoupled PPO) is needed at a bound of a few updates, since the clip already bounds
-the step from the behaviour policy. What assumes that the update starts from the rollout's
+the step from the behaviour policy; DiffusionNFT needs no log-probs at all (its anchor v_old is
+the update's starting weights). What assumes that the update starts from the rollout's
 weights is switched off for a stale batch (Flow-GRPO's reuse of the rollout's unconditional
 velocities). Algorithms whose loss compares with the rollout's step means under the current
 weights (GRPO-Guard, Flow-DPPO) or grow their rollout from the update (TreeGRPO, GARDO) are
@@ -56,7 +57,7 @@ def check_config(cfg, algorithm) -> None:
     require(
         algorithm.supports_async,
         f"{mode} with algorithm.name={cfg.algorithm.name}: its update needs a batch sampled with the weights it "
-        "starts from; use flow_grpo, flow_grpo_fast or mix_grpo, or trainer.rollout_mode=sync",
+        "starts from; use flow_grpo, flow_grpo_fast, mix_grpo or diffusion_nft, or trainer.rollout_mode=sync",
     )
     require(
         cfg.model.lora is not None,

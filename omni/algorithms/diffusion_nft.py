@@ -194,6 +194,9 @@ class DiffusionNFT(Algorithm):
     probabilities -> forward-process update of the LoRA -> weight sync."""
 
     Options = DiffusionNFTConfig  # its options: schema/algorithm/diffusion_nft
+    # No behaviour log-probs: v_old is the update's starting weights, which it computes itself,
+    # so a batch sampled with older weights (trainer.rollout_mode=async) is data like any other
+    supports_async = True
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -218,9 +221,13 @@ class DiffusionNFT(Algorithm):
             f"trains without CFG; set rollout.guidance_scale=1",
         )
 
+    def rollout(self, step: int, ctx=None):
+        """Step `step`'s groups, sampled with the ODE (every step), and scored."""
+        return grouped_rollout(ctx or self.ctx, step, self.cfg.algorithm.group_size, (0, 0))
+
     def step(self, step: int) -> Dict[str, float]:
         algo, worker = self.cfg.algorithm, self.ctx.worker
-        rollout = grouped_rollout(self.ctx, step, algo.group_size, (0, 0))  # every step the ODE's
+        rollout, staleness = self.next_rollout(step)
         advantages, advantage_metrics = rollout.advantages(algo.group_size, self.cfg.reward.aggregation, algo.adv_norm)
         r = optimality(clip_advantages(advantages, algo.adv_clip_max), algo.adv_clip_max)
         keep = rollout.valid  # an image without a finite reward sits the update out
@@ -231,7 +238,7 @@ class DiffusionNFT(Algorithm):
         timings = {**rollout.timings, "time/update": time.perf_counter() - tick}
         timings.update(sync_engine(worker))
         train = {f"train/{k}": v for k, v in metrics.items()}
-        return {**rollout.reward_metrics(), **advantage_metrics, **train, **timings}
+        return {**rollout.reward_metrics(), **advantage_metrics, **train, **timings, **staleness}
 
 
 ALGORITHM = DiffusionNFT
