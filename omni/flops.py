@@ -1,9 +1,12 @@
-"""The FLOPs model of the transformer and the facts of each published architecture as its
-pipeline runs it, for the GPU benchmark's MFU and its time estimate (`omni.bench.gpu`).
+"""The FLOPs of the transformer and the facts of each published architecture as its pipeline
+runs it, for the GPU benchmark's MFU and its time estimate (`omni.bench.gpu`).
 
-Per forward: 2 x linear weights (the LoRA's left out) x tokens plus attention's
-4 x tokens^2 x width per block (SD3.5-Medium's extra image-only attention in 13 blocks, ~1.5%,
-is left out). An update counts one more forward for each differentiated pass's backward (the
+Per forward: counted, not modelled. One pass of the family's own `velocity_pass` runs on the
+meta device (nothing computed, nothing allocated) under torch's `FlopCounterMode`, which adds
+up every matmul and attention by its shapes. A model of 2 x linear weights x tokens would
+charge an MMDiT block's separate text and image weights to every token and the adaLN
+modulation (one vector per sample) to every token too: for SD3.5-Medium at 1024 px it counts
+twice the work. An update counts one more forward for each differentiated pass's backward (the
 base is frozen: no weight gradients) and one more under gradient checkpointing; the VAE is
 not counted.
 """
@@ -11,8 +14,6 @@ not counted.
 from __future__ import annotations
 
 import torch
-
-from omni.weights import is_lora_name
 
 # Guidance and T5 tokens of each published architecture as its pipeline runs it: the SD3.5
 # model cards' guidance, StableDiffusion3Pipeline's max_sequence_length 256, FluxPipeline's
@@ -27,17 +28,16 @@ TINY_T5_TOKENS = 16  # the tiny models' tokenizer length
 CFG_GRADIENTS = ("both", "conditional")
 
 
-def forward_flops(transformer, family, tokens: int, sequences: int) -> float:
-    """Matmul FLOPs of one forward of `sequences` sequences of `tokens` tokens (see the module
-    docstring); `transformer` may be on the meta device."""
-    linear = sum(
-        m.weight.numel()
-        for name, m in transformer.named_modules()
-        if isinstance(m, torch.nn.Linear) and not is_lora_name(name)
-    )
-    blocks = sum(len(transformer.get_submodule(prefix.rstrip("."))) for prefix in family.layer_prefixes)
-    width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
-    return sequences * (2 * linear * tokens + 4 * blocks * tokens**2 * width)
+def forward_flops(family, meta, inputs, guidance_scale: float = 1.0) -> float:
+    """FLOPs of one transformer pass on `inputs` (cond, latents, sigmas), meta tensors of the
+    real shapes, counted on the meta transformer `meta` (see the module docstring): the
+    family's velocity at `guidance_scale`, divided by its passes."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cond, latents, sigmas = inputs
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        family.predict_velocity(meta, latents, sigmas, cond, guidance_scale)
+    return float(counter.get_total_flops()) / family.forward_passes(guidance_scale)
 
 
 def update_forwards(cfg_gradient: str, passes: int, checkpointing: bool) -> int:
@@ -53,16 +53,18 @@ def cfg_gradients(settings: dict):
     return CFG_GRADIENTS if settings["passes"] == 2 else CFG_GRADIENTS[:1]
 
 
-def flops_plan(family, transformer_config: dict, settings: dict) -> dict:
+def flops_plan(family, transformer_config: dict, settings: dict, meta_inputs) -> dict:
     """Model FLOPs of one call of each timed phase, and the FLOPs each phase runs in all
-    (warm-up and repeats, checkpointing's recompute included) for the time estimate."""
+    (warm-up and repeats, checkpointing's recompute included) for the time estimate;
+    `meta_inputs(meta, n)`: (cond, latents, sigmas) of n sequences on the meta device."""
     meta = family.meta_transformer(config=transformer_config)
-    tokens = settings["text_tokens"] + settings["image_tokens"]
     calls = 1 + settings["repeats"]
     per_call = {
-        "rollout": settings["steps"] * forward_flops(meta, family, tokens, settings["batch"] * settings["passes"])
+        "rollout": settings["steps"]
+        * settings["passes"]
+        * forward_flops(family, meta, meta_inputs(meta, settings["batch"]), settings["guidance"])
     }
-    one = forward_flops(meta, family, tokens, settings["micro_batch"])
+    one = forward_flops(family, meta, meta_inputs(meta, settings["micro_batch"]), settings["guidance"])
     total = {"rollout": 2 * calls * per_call["rollout"]}  # ours and the plain pipeline
     for grad in cfg_gradients(settings):
         per_call[f"update {grad}"] = update_forwards(grad, settings["passes"], False) * one

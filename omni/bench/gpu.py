@@ -27,10 +27,10 @@ On the same transformer, VAE, batch, steps, guidance and size it measures:
   gradient through both CFG passes) and `conditional` (the unconditional pass without
   gradients); FLUX's one pass is `both` alone;
 - peak device memory of each phase; model FLOPs utilisation of the transformer (`omni.flops`): per forward,
-  2 x linear weights (the LoRA's left out) x tokens plus attention's 4 x tokens^2 x width per
-  block (SD3.5-Medium's extra image-only attention in 13 blocks, ~1.5%, is left out); an
-  update counts one more forward for its backward (the base is frozen: no weight gradients)
-  and not the checkpointing's recompute; the VAE is not counted;
+  the FLOPs torch's FlopCounterMode counts for one pass on the meta device (every matmul and
+  attention of the real shapes, the LoRA's included); an update counts one more forward for
+  its backward (the base is frozen: no weight gradients) and not the checkpointing's
+  recompute; the VAE is not counted;
 - the memory estimator (omni.memory, `scripts/estimate_memory.py`) against the measured peak
   of the update with every pass differentiated, without and with checkpointing (error in %);
 - the bf16 noise floor of the importance ratios: one rollout re-scored by the actor one
@@ -58,6 +58,7 @@ import sys
 import time
 import traceback
 from importlib import resources
+from types import SimpleNamespace
 
 import torch
 
@@ -144,6 +145,7 @@ def arch_settings(arch: str, family, configs, args) -> dict:
         # tokens of the text alone (SD3: CLIP's 77 and T5's; FLUX: T5's)
         "text_tokens": family.sequence_length(transformer_config, 0, t5_tokens),
         "image_tokens": (latent_side // 2) ** 2,  # both families cut latents into 2x2 patches
+        "vae_factor": vae_factor,
         "lora_rank": args.lora_rank,
         "lora_dtype": args.lora_dtype,
         "cudnn_attention": args.cudnn_attention,
@@ -217,6 +219,21 @@ def random_conditioning(family, transformer_config: dict, settings: dict, device
                 device, dtype
             )
     return family.conditioning(**tensors)
+
+
+def meta_inputs(family, transformer_config: dict, settings: dict):
+    """`inputs(meta, n)`: the (cond, latents, sigmas) of n sequences of the run's shapes on the
+    meta device, for the counted FLOPs (`omni.flops.forward_flops`)."""
+
+    def inputs(meta, n: int):
+        pipe = SimpleNamespace(transformer=meta, vae_scale_factor=settings["vae_factor"])
+        generators = [torch.Generator().manual_seed(i) for i in range(n)]
+        latents = family.initial_latents(pipe, generators, settings["resolution"]).to("meta")
+        meta_device = torch.device("meta")
+        cond = random_conditioning(family, transformer_config, {**settings, "batch": n}, meta_device, torch.float32)
+        return cond, latents, torch.full((n,), 0.5, device=meta_device)
+
+    return inputs
 
 
 def synchronize(device: torch.device) -> None:
@@ -376,7 +393,7 @@ def bench_arch(arch: str, args, budget: Budget) -> dict:
     family = family_of(arch)
     configs = component_configs(family, arch, args.tiny, args.cache_dir)
     settings = arch_settings(arch, family, configs, args)
-    plan = flops_plan(family, configs[0], settings)
+    plan = flops_plan(family, configs[0], settings, meta_inputs(family, configs[0], settings))
     settings["params"] = plan["params"]
     section = {
         "settings": settings,
