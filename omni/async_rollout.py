@@ -2,10 +2,11 @@
 and scores the next steps' batches while the trainer updates on this one.
 
 The trainer's own worker (in this process, or its group) only trains. After update k its
-LoRA, collected with `collect_lora_params` (`lora_state_dict`), is published as weights
-version k + 1. The rollout of step j is submitted when the trainer takes batch
-j - max_staleness, pinned to the newest version at that moment, and runs on a background
-thread (sampling on the rollout group's Ray workers, scoring here) while the update runs:
+trained weights, collected with `collect_lora_params` (`trained_state_dict`: the LoRA, or with
+full fine-tuning the whole transformer), are published as weights version k + 1. The
+rollout of step j is submitted when the trainer takes batch j - max_staleness, pinned to the
+newest version at that moment, and runs on a background thread (sampling on the rollout
+group's Ray workers, scoring here) while the update runs:
 
     take(k): submit the rollouts of steps up to k + max_staleness, each pinned to version k;
              wait for step k's batch (sampled with version k - staleness).
@@ -58,11 +59,6 @@ def check_config(cfg, algorithm) -> None:
         algorithm.supports_async,
         f"{mode} with algorithm.name={cfg.algorithm.name}: its update needs a batch sampled with the weights it "
         "starts from; use flow_grpo, flow_grpo_fast, mix_grpo or diffusion_nft, or trainer.rollout_mode=sync",
-    )
-    require(
-        cfg.model.lora is not None,
-        f"{mode} with model.lora=null (full fine-tuning): the rollout workers receive a LoRA after each update; "
-        "train a LoRA (model.lora.rank=...) or set trainer.rollout_mode=sync",
     )
     engine = getattr(cfg.rollout.engine, "value", cfg.rollout.engine)
     require(
@@ -145,18 +141,18 @@ class AsyncRollouts:
             ray_cluster.disconnect(self.connected)
             raise
 
-    def publish(self, version: int, lora: Dict[str, torch.Tensor]) -> None:
-        """Weights version `version` (the LoRA after `version` updates); versions no pending or
-        future rollout is pinned to are dropped."""
+    def publish(self, version: int, weights: Dict[str, torch.Tensor]) -> None:
+        """Weights version `version` (the trained weights after `version` updates); versions no
+        pending or future rollout is pinned to are dropped."""
         self.version = version
-        self.weights[version] = {name: t.detach().clone() for name, t in lora.items()}
+        self.weights[version] = {name: t.detach().clone() for name, t in weights.items()}
         needed = {v for v, _ in self.pending.values()} | {version}
         for old in [v for v in self.weights if v not in needed]:
             del self.weights[old]
 
     def _sample(self, step: int, version: int):
         if self.loaded != version:
-            self.group.load_adapter(self.weights[version])
+            self.group.load_weights(self.weights[version])
             self.loaded = version
         return self.rollout(self.ctx, step)
 

@@ -146,7 +146,7 @@ class Trainer:
         """The rollout group gets the weights the first step starts from (and, on resume, the
         rollouts the checkpoint had sampled ahead, redone from their seeds)."""
         self.algorithm.rollouts = self.rollouts
-        current = self.worker.lora_state_dict()
+        current = self.worker.trained_state_dict()
         if self.resumed_rollouts:
             self.rollouts.load_state_dict(self.resumed_rollouts, self.start_step, current)
         else:
@@ -349,7 +349,7 @@ class Trainer:
         lr = self.worker.set_lr(trainer.lr * lr_scale * factor)
         metrics = {**self.algorithm.step(step), "train/lr": lr}
         if self.rollouts is not None:  # the weights the rollouts submitted from now on use
-            self.rollouts.publish(step + 1, self.worker.lora_state_dict())
+            self.rollouts.publish(step + 1, self.worker.trained_state_dict())
         if self.ema is not None:
             self.ema.update(self.worker.lora_state_dict())
         return metrics

@@ -36,7 +36,6 @@ ASYNC = "trainer.rollout_mode=async"
         ([ASYNC, "trainer.rollout_workers=3"], "trainer.rollout_workers=3"),
         ([ASYNC, "algorithm=grpo_guard"], "algorithm.name=grpo_guard"),
         ([ASYNC, "algorithm=dgpo"], "algorithm.name=dgpo"),
-        ([ASYNC, "model.lora=null"], "model.lora=null"),
         ([ASYNC, "rollout=vllm", "rollout.options.url=http://127.0.0.1:1"], "rollout.engine=vllm"),
         ([ASYNC, "sentinel.enabled=true", "sentinel.action=rollback"], "sentinel.action=rollback"),
     ],

@@ -254,6 +254,15 @@ class ActorRolloutWorker:
 
         set_model_state_dict(self.actor, weights, options=StateDictOptions(full_state_dict=True, strict=True))
 
+    def load_weights(self, weights: Dict[str, torch.Tensor]) -> None:
+        """Set the trained weights (as `trained_state_dict` returns them: the LoRA, or with full
+        fine-tuning the whole transformer), then sync the engine."""
+        if self.full_finetuning:
+            self.load_transformer(weights)
+            self.sync_weights()
+        else:
+            self.load_adapter(weights)
+
     def load_state(self, weights: Dict[str, torch.Tensor], optimizer_state: dict) -> None:
         """Restore the trained weights (as `trained_state_dict` returns them) and the
         optimizer, then sync the engine. The reference stays the initial transformer."""

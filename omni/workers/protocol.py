@@ -60,6 +60,9 @@ class ActorRollout(Protocol):
     def load_adapter(self, lora: Dict[str, torch.Tensor]) -> None:
         """Set the LoRA tensors (PEFT names, as `lora_state_dict` returns them), then sync."""
 
+    def load_weights(self, weights: Dict[str, torch.Tensor]) -> None:
+        """Set the trained weights (as `trained_state_dict` returns them), then sync."""
+
     def load_snapshot(self, name: str, lora: Dict[str, torch.Tensor]) -> None:
         """Set the frozen snapshot adapter `name` to these LoRA tensors (no sync)."""
 

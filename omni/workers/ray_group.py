@@ -101,6 +101,10 @@ class RayActorRolloutWorker(Worker):
         self.worker.load_adapter(lora)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def load_weights(self, weights: Dict[str, torch.Tensor]) -> None:
+        self.worker.load_weights(weights)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def load_snapshot(self, name: str, lora: Dict[str, torch.Tensor]) -> None:
         self.worker.load_snapshot(name, lora)
 
@@ -261,6 +265,9 @@ class ActorRolloutGroup:
 
     def load_adapter(self, lora: Dict[str, torch.Tensor]) -> None:
         self._gather("load_adapter", self.workers.load_adapter(ray.put(lora)))
+
+    def load_weights(self, weights: Dict[str, torch.Tensor]) -> None:
+        self._gather("load_weights", self.workers.load_weights(ray.put(weights)))
 
     def load_snapshot(self, name: str, lora: Dict[str, torch.Tensor]) -> None:
         self._gather("load_snapshot", self.workers.load_snapshot(name, ray.put(lora)))
