@@ -19,7 +19,7 @@ import time
 from typing import Dict
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils import flop_counter
 
 from omni.context import update_seed
 from omni.weights import is_lora_name
@@ -48,9 +48,25 @@ def widest_linear(transformer) -> torch.nn.Linear:
     return max(linears, key=lambda m: m.weight.numel())
 
 
+def _cpu_attention(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_attention_backward(grad_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_backward_flop_count(grad_shape, query_shape, key_shape, value_shape)
+
+
+# torch counts the GPU kernels of scaled_dot_product_attention (and the meta device's), not the
+# CPU's flash attention, which it would count as 0
+CPU_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
+}
+
+
 def counted(fn) -> tuple:
-    """(FLOPs, result) of `fn()` as torch's FlopCounterMode counts them."""
-    with FlopCounterMode(display=False) as counter:
+    """(FLOPs, result) of `fn()` as torch's FlopCounterMode counts them (the CPU's attention too)."""
+    with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as counter:
         result = fn()
     return counter.get_total_flops(), result
 
