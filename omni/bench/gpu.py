@@ -39,11 +39,11 @@ On the same transformer, VAE, batch, steps, guidance and size it measures:
   default shared engine no sync runs at all).
 Times are the best of --repeats after one warm-up.
 
-Time on one H200, an ESTIMATE from these FLOPs at 30% of 989 dense bf16 TFLOPS, with the
+Time on one H200, an ESTIMATE from these FLOPs at 15% of 989 dense bf16 TFLOPS, with the
 defaults (512 px, batch 8, 10 steps, micro-batch 4, 2 repeats; `--estimate` prints it): the
-transformer's timed work is ~25 s for SD3.5-Medium (rollouts 21 s, updates 4 s) and ~70 s for
-FLUX.1-dev (62 s, 8 s), to which come the VAE's decoding, building the models (random
-initialisation on the GPU) and the imports: well inside 8 minutes. Not yet measured on a GPU.
+transformer's timed work is ~19 s for SD3.5-Medium (rollouts 16 s, updates 3 s) and ~78 s for
+FLUX.1-dev (70 s, 9 s), to which come the VAE's decoding, building the models (random
+initialisation on the GPU) and the imports: well inside 8 minutes.
 `--time-budget-s` skips a phase whose estimate no longer fits in what is left of it, naming it
 under the section's `skipped`.
 """
@@ -81,7 +81,9 @@ PIPELINE_ARGS = {
     "neg_embeds": "negative_prompt_embeds",
     "neg_pooled": "negative_pooled_prompt_embeds",
 }
-ASSUMED_MFU = 0.3  # for the time estimate only
+# For the time estimate only: the low end of what the H200 run measured with counted FLOPs
+# (10% to 32%: docs/benchmarks/gpu/2026-12-04b.json's timings), so a phase is not started late.
+ASSUMED_MFU = 0.15
 
 
 def figure(x: float) -> float:
