@@ -254,24 +254,22 @@ class ActorRolloutWorker:
 
         set_model_state_dict(self.actor, weights, options=StateDictOptions(full_state_dict=True, strict=True))
 
-    def load_weights(self, weights: Dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: Dict[str, torch.Tensor], sync: bool = True) -> None:
         """Set the trained weights (as `trained_state_dict` returns them: the LoRA, or with full
         fine-tuning the whole transformer), then sync the engine."""
         if self.full_finetuning:
             self.load_transformer(weights)
-            self.sync_weights()
         else:
-            self.load_adapter(weights)
+            self.load_adapter(weights, sync=False)
+        if sync:
+            self.sync_weights()
 
     def load_state(self, weights: Dict[str, torch.Tensor], optimizer_state: dict) -> None:
         """Restore the trained weights (as `trained_state_dict` returns them) and the
         optimizer, then sync the engine. The reference stays the initial transformer."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        if self.full_finetuning:
-            self.load_transformer(weights)
-        else:
-            self.load_adapter(weights, sync=False)
+        self.load_weights(weights, sync=False)
         set_optimizer_state_dict(
             self.actor, self.optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True)
         )
