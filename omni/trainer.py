@@ -348,10 +348,13 @@ class Trainer:
         factor = lr_factor(step, trainer.steps, trainer.lr_schedule.value, trainer.warmup_steps)
         lr = self.worker.set_lr(trainer.lr * lr_scale * factor)
         metrics = {**self.algorithm.step(step), "train/lr": lr}
+        if self.rollouts is None and self.ema is None:
+            return metrics
+        trained = self.worker.trained_state_dict()  # collected once (an EMA is of a LoRA only)
         if self.rollouts is not None:  # the weights the rollouts submitted from now on use
-            self.rollouts.publish(step + 1, self.worker.trained_state_dict())
+            self.rollouts.publish(step + 1, trained)
         if self.ema is not None:
-            self.ema.update(self.worker.lora_state_dict())
+            self.ema.update(trained)
         return metrics
 
     def count_bad_step(self, metrics: Dict[str, float], step: int) -> None:

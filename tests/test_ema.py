@@ -48,10 +48,9 @@ def test_run_evaluates_and_exports_the_average_and_trains_on(tiny_cache, tmp_pat
     trainer.setup()
     try:
         trained = []
-        for step in range(2):
-            trainer.algorithm.step(step)
+        for step in range(2):  # the trainer's own step, which updates the average
+            trainer.run_step(step)
             trained.append(trainer.worker.lora_state_dict())
-            trainer.ema.update(trained[-1])
         for name, first in trained[0].items():  # 0.5 L1 + 0.5 L2
             assert torch.allclose(trainer.ema.average[name], 0.5 * first + 0.5 * trained[1][name])
         with_ema = trainer.evaluate()["reward"]
