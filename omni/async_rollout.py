@@ -35,7 +35,6 @@ redoes those rollouts from their seeds with the same weights and continues exact
 from __future__ import annotations
 
 import copy
-import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -44,8 +43,6 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from omni.config.errors import require
-
-log = logging.getLogger(__name__)
 
 
 def check_config(cfg, algorithm) -> None:
