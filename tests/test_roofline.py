@@ -1,10 +1,11 @@
 """The roofline's FLOP count (omni/bench/roofline.py): torch's counter misses the CPU's flash
-attention, forward and backward, which the roofline counts as the GPU kernels are counted."""
+attention, forward and backward, which the roofline counts as the GPU kernels are counted; and
+the tokens a sequence has, for the matmul at the model's shape."""
 
 import torch
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-from omni.bench.roofline import counted
+from omni.bench.roofline import counted, image_tokens
 
 
 def test_the_cpu_attention_is_counted_forward_and_backward():
@@ -15,3 +16,25 @@ def test_the_cpu_attention_is_counted_forward_and_backward():
     linear = torch.nn.Linear(16, 8)
     flops, _ = counted(lambda: linear(torch.randn(5, 16)))
     assert flops == 2 * 5 * 16 * 8
+
+
+def test_image_tokens_are_the_transformers_patches():
+    from diffusers import SD3Transformer2DModel
+
+    transformer = SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=2,
+        in_channels=4,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        caption_projection_dim=16,
+        pooled_projection_dim=16,
+        out_channels=4,
+        pos_embed_max_size=16,
+    )
+    latents = torch.randn(1, 4, 8, 12)
+    assert image_tokens(latents, transformer.config.patch_size) == transformer.pos_embed(latents).shape[1] == 24
+    assert image_tokens(torch.randn(2, 24, 64), 1) == 24  # packed (FLUX, Qwen-Image): a row a token
+    assert image_tokens(torch.randn(1, 16, 3, 8, 8), (1, 2, 2)) == 48  # Wan: frames x 2x2 patches

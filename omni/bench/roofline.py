@@ -48,6 +48,21 @@ def widest_linear(transformer) -> torch.nn.Linear:
     return max(linears, key=lambda m: m.weight.numel())
 
 
+def image_tokens(latents: torch.Tensor, patch_size) -> int:
+    """The image tokens the transformer sees per sequence: a packed latent (B, tokens, channels)
+    has them as its rows; an unpacked one (B, C, H, W) or (B, C, F, H, W) is cut into patches of
+    `patch_size` (an int for each spatial side, or one size per axis, as Wan's (1, 2, 2))."""
+    if latents.ndim == 3:
+        return latents.shape[1]
+    axes = latents.shape[2:]
+    patch = tuple(patch_size) if isinstance(patch_size, (list, tuple)) else (patch_size,) * 2
+    patch = (1,) * (len(axes) - len(patch)) + patch
+    count = 1
+    for side, size in zip(axes, patch):
+        count *= side // size
+    return count
+
+
 def _cpu_attention(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
     return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
 
@@ -78,9 +93,9 @@ def step_flops(trainer, step: int) -> Dict[str, float]:
     batch, _ = algorithm.update_batch(rollout)
     seed = update_seed(trainer.cfg.seed, step)
     update_flops, _ = counted(lambda: trainer.worker.apply_update(algorithm.update, batch, seed))
-    tokens = batch.rollout.latents.shape[-1] // 2  # the latent's patches a side (2x2 patches)
+    image = image_tokens(batch.rollout.latents, trainer.worker.actor.config.patch_size)
     text = max(t.shape[1] for t in batch.rollout.cond.tensors().values() if t.ndim >= 3)
-    return {"rollout": rollout_flops, "update": update_flops, "tokens_per_sequence": text + tokens * tokens}
+    return {"rollout": rollout_flops, "update": update_flops, "tokens_per_sequence": text + image}
 
 
 def roofline(trainer, seconds: Dict[str, float], step: int) -> dict:
