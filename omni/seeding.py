@@ -9,6 +9,8 @@ The result is a plain integer (what `torch.Generator.manual_seed` takes below 2*
 
 from __future__ import annotations
 
+from typing import List, Sequence
+
 import torch
 
 STEP_IMAGES = 1_000_003  # a training step's (or the evaluation's) image seeds; index: the step
@@ -25,6 +27,18 @@ EVAL_CHUNK = 1_000_000_007  # a held-out DPO chunk's noise; base: the chunk, ind
 def derive_seed(base: int, index: int, stream: int) -> int:
     """`base * stream + index`: the seed of `index` in `stream`, derived from `base`."""
     return base * stream + index
+
+
+def group_member_seeds(group_seeds: Sequence[int], group_size: int) -> List[int]:
+    """The seeds of groups' members, `group_size` per group seed: member k of the group of seed
+    s has s * group_size + k, so each member knows its group's seed (`group_seed`) alone, in
+    any micro-batch or worker's shard."""
+    return [s * group_size + k for s in group_seeds for k in range(group_size)]
+
+
+def group_seed(member_seed: int, group_size: int) -> int:
+    """The seed of the group a `group_member_seeds` seed belongs to."""
+    return member_seed // group_size
 
 
 def seeded_generator(base: int, index: int, stream: int) -> torch.Generator:

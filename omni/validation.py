@@ -26,6 +26,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from omni.algorithms import get_algorithm
+from omni.algorithms.base import check_initial_noise
 from omni.async_rollout import check_config as check_async
 from omni.checkpoint import CheckpointMismatch, DamagedCheckpoint, check_checkpoint, check_lora_file
 from omni.config import TrainConfig
@@ -514,6 +515,7 @@ def check(cfg: TrainConfig, family: ModelFamily) -> None:
     check_model(cfg.model, family)
     algorithm = _lookup(get_algorithm, cfg.algorithm.name)
     check_async(cfg, algorithm)  # before the engine's own checks, which may probe a server
+    check_initial_noise(cfg, algorithm)
     check_rollout(cfg, family)
     check_resume(cfg.trainer, cfg.model)
     check_full_finetuning(cfg)

@@ -299,6 +299,10 @@ class AWM(Algorithm):
         self.ema: Optional[Dict[str, torch.Tensor]] = None  # the EMA of the LoRA, whole fp32 tensors
 
     @classmethod
+    def samples_stochastically(cls, cfg) -> bool:
+        return RolloutSampler(cfg.algorithm.sampler) == RolloutSampler.sde
+
+    @classmethod
     def check_config(cls, cfg) -> None:
         algo, rollout = cfg.algorithm, cfg.rollout
         check_groups(algo.group_size, cfg.trainer.batch_size)

@@ -20,8 +20,11 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from omni import seeding
 from omni.algorithms.advantages import aggregated_advantages
 from omni.config.algorithm import AlgorithmConfig
+from omni.config.errors import ConfigError
+from omni.config.rollout import InitialNoise
 from omni.context import StepContext, means, step_seeds
 from omni.data.prompts import items_for_step
 from omni.rollout.base import RolloutBatch
@@ -42,6 +45,12 @@ class Algorithm:
     @classmethod
     def check_config(cls, cfg) -> None:
         """Raise omni.config.errors.ConfigError naming the keys of a rule this config breaks."""
+
+    @classmethod
+    def samples_stochastically(cls, cfg) -> bool:
+        """Whether its grouped rollouts take SDE steps, so images that share their initial
+        noise (rollout.initial_noise=per_group) still differ; ODE rollouts would make one image."""
+        return False
 
     @classmethod
     def uses_reference(cls, cfg) -> bool:
@@ -86,6 +95,24 @@ class Algorithm:
         """Release what `setup` opened (data loader workers)."""
 
 
+def check_initial_noise(cfg, algorithm) -> None:
+    """rollout.initial_noise=per_group: only for the in-process engine (an engine's requests
+    carry a seed each, no group) and an algorithm whose group members part by SDE steps."""
+    if cfg.rollout.initial_noise != InitialNoise.per_group:
+        return
+    key = "rollout.initial_noise=per_group"
+    if not algorithm.samples_stochastically(cfg):
+        raise ConfigError(
+            f"{key}: algorithm={cfg.algorithm.name} samples its groups with the ODE, so a group's images "
+            "would all be one image; use rollout.initial_noise=per_image"
+        )
+    if cfg.rollout.engine.value != "diffusers":
+        raise ConfigError(
+            f"{key}: rollout.engine={cfg.rollout.engine.value} seeds each request alone; shared initial "
+            "noise is the in-process engine's (rollout=diffusers)"
+        )
+
+
 def sync_engine(worker) -> Dict[str, float]:
     """Sync the rollout engine with the trained weights: `time/sync`, and the parity gate's
     figures (`sync/parity_*`, omni/rollout/parity.py) when it checked this sync."""
@@ -118,14 +145,18 @@ def grouped_rollout(
 ) -> ScoredRollout:
     """Step `step`'s prompts, each sampled `group_size` times with the current policy, scored
     (while it is sampled, with `reward.overlap`). With a `tree` (`SamplingOptions.tree`) each
-    group is one tree, grown from the seed of the group's first image."""
+    group is one tree, grown from the seed of the group's first image; with
+    `rollout.initial_noise=per_group`, a group's images start from one initial noise."""
     cfg = ctx.cfg
     prompts = items_for_step(ctx.train_prompts, step, cfg.trainer.batch_size // group_size, cfg.seed)
     prompts = [p for p in prompts for _ in range(group_size)]
     seeds = step_seeds(cfg.seed, step, len(prompts))
+    options = replace(ctx.sampling_options(sde_steps), tree=tuple(tree))
     if tree:
         seeds = [s for s in seeds[::group_size] for _ in range(group_size)]
-    options = replace(ctx.sampling_options(sde_steps), tree=tuple(tree))
+    elif cfg.rollout.initial_noise == InitialNoise.per_group:
+        seeds = seeding.group_member_seeds(seeds[: len(prompts) // group_size], group_size)
+        options = replace(options, initial_noise_group=group_size)
     batch, scores, timings = ctx.sample_and_score(prompts, seeds, options)
     valid = ctx.reward.finite(scores, f"training step {step + 1}")
     ctx.log_images(batch.images, step)

@@ -321,6 +321,10 @@ class FlowGRPO(Algorithm):
     update = staticmethod(update)
 
     @classmethod
+    def samples_stochastically(cls, cfg) -> bool:
+        return True  # SDE steps on its window
+
+    @classmethod
     def check_config(cls, cfg) -> None:
         require(cfg.algorithm.clip_range > 0, f"algorithm.clip_range={cfg.algorithm.clip_range} must be positive")
         check_policy_config(cfg)

@@ -61,6 +61,10 @@ class OnlineDPO(Algorithm):
         return True  # Diffusion-DPO's loss, as offline
 
     @classmethod
+    def samples_stochastically(cls, cfg) -> bool:
+        return True  # every step the SDE's
+
+    @classmethod
     def check_config(cls, cfg) -> None:
         dpo.check_dpo(cfg.algorithm)
         check_groups(cfg.algorithm.group_size, cfg.trainer.batch_size)

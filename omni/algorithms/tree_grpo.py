@@ -51,6 +51,7 @@ from omni.algorithms.advantages import clip_advantages
 from omni.algorithms.base import ScoredRollout, grouped_rollout
 from omni.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig, GRPOBatch, check_cfg_gradient, check_groups, run_update
 from omni.config.errors import require
+from omni.config.rollout import InitialNoise
 from omni.rollout.sde import noisy_steps
 from omni.rollout.tree import Tree
 
@@ -179,6 +180,11 @@ class TreeGRPO(FlowGRPO):
             1 <= algo.num_minibatches <= tree.edges(),
             f"algorithm.num_minibatches={algo.num_minibatches}: each tree's {tree.edges()} branch transitions are "
             f"shared out over the minibatches, so expected 1 to {tree.edges()}",
+        )
+        require(
+            rollout.initial_noise == InitialNoise.per_image,
+            "rollout.initial_noise=per_group with algorithm=tree_grpo: each group is one tree, grown from one "
+            "initial noise already; leave rollout.initial_noise=per_image",
         )
         require(
             rollout.engine.value == "diffusers",

@@ -37,6 +37,15 @@ class SDEType(str, Enum):
     cps = "cps"  # Coefficients-Preserving Sampling: DDIM's noise coefficients kept
 
 
+class InitialNoise(str, Enum):
+    """Where a grouped rollout's images take their initial noise (omni.rollout.sampling)."""
+
+    per_image = "per_image"  # each its own: a group's images start apart (Flow-GRPO)
+    # one per group: a group's images start from the same noise and part only by their SDE
+    # steps, the noise the update's log-probs credit (DanceGRPO's shared initial noise)
+    per_group = "per_group"
+
+
 class ODESolverType(str, Enum):
     """The solver of the deterministic (ODE) sampling steps (omni/rollout/ode.py)."""
 
@@ -92,6 +101,9 @@ class RolloutConfig:
     # Its noise scale: a in sigma_t = a * sqrt(t / (1 - t)) for sde; eta in (0, 1] for cps,
     # whose step to t' has std t' sin(eta pi / 2).
     noise_level: float = 0.7
+    # Where the images of a prompt's group take their initial noise (see InitialNoise);
+    # per_group needs stochastic (SDE) rollouts, or a group's images would all be one.
+    initial_noise: InitialNoise = InitialNoise.per_image
     # The solver of every ODE step: outside an SDE window, and every step of ODE sampling
     # (evaluation, DiffusionNFT's and online DPO's rollouts). See ODESolverType.
     ode_solver: ODESolverType = ODESolverType.euler

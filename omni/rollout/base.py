@@ -36,6 +36,9 @@ class SamplingOptions:
     # rows come in groups of the tree's leaves, one prompt and seed per group, and the branch
     # steps are the only SDE steps (`sde_steps` unused). (): independent samples.
     tree: Tuple[Tuple[int, int], ...] = ()
+    # Rows share their initial noise in groups of this many, each row's seed made by
+    # `omni.seeding.group_member_seeds` (rollout.initial_noise=per_group); 1: each its own.
+    initial_noise_group: int = 1
 
 
 def run_sampling_options(cfg, sde_steps: Tuple[int, int] = (0, 0)) -> SamplingOptions:

@@ -33,6 +33,7 @@ from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.ode import ODESolver
 from omni.rollout.sde import is_noisy_step, sde_step
 from omni.rollout.tree import sample_trees
+from omni.seeding import group_seed
 
 
 class PromptCache:
@@ -149,6 +150,10 @@ def sample_trajectories(
         )
 
     x = draw()
+    if options.initial_noise_group > 1:  # the group's noise; each row's own generator, having
+        # drawn its initial latent as always, keeps its SDE noise what a per-image run draws
+        shared = [torch.Generator().manual_seed(group_seed(int(s), options.initial_noise_group)) for s in seeds]
+        x = family.initial_latents(pipe, shared, options.resolution, options.num_frames).to(device, torch.float32)
     trajectory, log_probs, unconds = [x], [], []
     start, stop = options.sde_steps
     ode = ODESolver(options.ode_solver)

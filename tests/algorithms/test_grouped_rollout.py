@@ -93,3 +93,36 @@ def test_flow_grpo_step_under_gdpo(fresh, monkeypatch):
     assert torch.allclose(seen["batch"].advantages, clip_advantages(expected, cfg.algorithm.adv_clip_max))
     assert {"reward/brightness/advantage_std", "reward/jpeg_compressibility/advantage_std"} <= set(metrics)
     assert any(not torch.equal(p, q) for p, q in zip(fresh.trainable, before))
+
+
+def test_per_group_initial_noise_is_shared_in_a_group_and_parts_by_the_sde(worker, tiny_cache, tmp_path):
+    """rollout.initial_noise=per_group: a group's images start from one latent (the groups from
+    different ones) and part by their SDE steps, whatever micro-batches split the groups; with
+    per_image each image starts from its own. Flow-GRPO takes the option at validation."""
+    from omni.config.rollout import InitialNoise
+    from omni.validation import validate
+    from tests.conftest import compose_config
+
+    validate(compose_config([f"model.cache_dir={tiny_cache}", "rollout.initial_noise=per_group"], tmp_path))
+    cfg = copy.deepcopy(worker.cfg)
+    cfg.trainer.batch_size, cfg.rollout.num_steps, cfg.reward.overlap = 8, 3, False
+    ctx = StepContext(cfg, None, load_prompts("omni:colors_train"), [], WeightedReward({"brightness": {}}), worker)
+    engine_batch = worker.engine.micro_batch_size
+    batches = {}
+    try:
+        for noise, micro_batch in (("per_group", 3), ("per_group", 8), ("per_image", 8)):
+            cfg.rollout.initial_noise, worker.engine.micro_batch_size = InitialNoise(noise), micro_batch
+            batches[noise, micro_batch] = grouped_rollout(ctx, step=0, group_size=4, sde_steps=(0, 2)).batch
+    finally:
+        worker.engine.micro_batch_size = engine_batch
+    shared, unsplit, own = batches["per_group", 3], batches["per_group", 8], batches["per_image", 8]
+    # a group split over micro-batches samples the same (up to the kernels' batch-size rounding)
+    for name in ("latents", "log_probs", "images"):
+        assert torch.allclose(getattr(shared, name), getattr(unsplit, name), atol=1e-4), name
+    start, end = shared.latents[:, 0].flatten(1), shared.latents[:, -1].flatten(1)
+    for group in (slice(0, 4), slice(4, 8)):
+        assert torch.equal(start[group], start[group][:1].expand(4, -1))
+        assert (torch.cdist(end[group], end[group]) + torch.eye(4) > 1e-3).all()  # parted by the SDE
+    assert not torch.allclose(start[0], start[4])
+    own_start = own.latents[:, 0].flatten(1)
+    assert (torch.cdist(own_start, own_start) + torch.eye(8) > 1e-3).all()

@@ -103,6 +103,17 @@ BAD = [
         "rollout.layered_summon=true with a shared actor",
     ),
     (["rollout.load_base=false"], "rollout.load_base=false with a shared actor"),
+    # shared initial noise: groups that part by SDE steps, sampled in process
+    (
+        ["algorithm=diffusion_nft", "rollout.initial_noise=per_group"],
+        "rollout.initial_noise=per_group: algorithm=diffusion_nft samples its groups with the ODE",
+    ),
+    (
+        ["algorithm=awm", "algorithm.sampler=ode", "rollout.initial_noise=per_group"],
+        "rollout.initial_noise=per_group: algorithm=awm samples its groups with the ODE",
+    ),
+    (["algorithm=tree_grpo", "rollout.initial_noise=per_group"], "rollout.initial_noise=per_group with algorithm=tree"),
+    (["rollout=vllm", "rollout.initial_noise=per_group"], "rollout.initial_noise=per_group: rollout.engine=vllm"),
     (["model.lora=null", "rollout.load_base=false"], "rollout.load_base=false with a shared actor"),
 ]
 
@@ -112,6 +123,7 @@ BAD_AT_COMPOSITION = [
     (["model.dtype=float64"], "model.dtype"),
     (["trainer.lr_schedule=step"], "trainer.lr_schedule"),
     (["rollout.engine=sglang"], "rollout.engine"),
+    (["rollout.initial_noise=shared"], "rollout.initial_noise"),
     (["algorithm=mix_grpo_flash", "rollout.ode_solver=rk4"], "rollout.ode_solver"),
     (["logger.backends=[console,neptune]"], "logger.backends"),
     (["algorithm=dpo", "algorithm.sigma_sampling=normal"], "algorithm.sigma_sampling"),
