@@ -21,19 +21,9 @@ def test_the_cpu_attention_is_counted_forward_and_backward():
 def test_image_tokens_are_the_transformers_patches():
     from diffusers import SD3Transformer2DModel
 
-    transformer = SD3Transformer2DModel(
-        sample_size=8,
-        patch_size=2,
-        in_channels=4,
-        num_layers=1,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=16,
-        caption_projection_dim=16,
-        pooled_projection_dim=16,
-        out_channels=4,
-        pos_embed_max_size=16,
-    )
+    from omni.models.sd3 import TINY_TRANSFORMER
+
+    transformer = SD3Transformer2DModel(**TINY_TRANSFORMER)
     latents = torch.randn(1, 4, 8, 12)
     assert image_tokens(latents, transformer.config.patch_size) == transformer.pos_embed(latents).shape[1] == 24
     assert image_tokens(torch.randn(2, 24, 64), 1) == 24  # packed (FLUX, Qwen-Image): a row a token

@@ -7,10 +7,12 @@ family. Its facts:
 
 - `pipeline`: vLLM-Omni's pipeline class of the family, by qualified name, and `hooks`, the
   attributes of it the native backend uses (checked in the engine env before any model loads);
-- `fused` and `renamed`: where vLLM-Omni's transformer fuses projections into one parallel
-  linear layer (to_q/to_k/to_v -> the shards q/k/v of to_qkv, add_q/k/v_proj -> add_kv_proj)
-  and renames module path parts (Qwen-Image's `to_out.0` -> `to_out`), so base weights and LoRA
-  adapters in diffusers' names reach vLLM-Omni's parameters (`omni.rollout.native_names`);
+- `fused`, `renamed` and `renamed_parameters`: where vLLM-Omni's transformer fuses projections
+  into one parallel linear layer (to_q/to_k/to_v -> the shards q/k/v of to_qkv, add_q/k/v_proj
+  -> add_kv_proj; a rule keyed by a path tail, Wan's `attn1.to_q`, fuses that attention's
+  only), renames module path parts (Qwen-Image's `to_out.0` -> `to_out`) and moves a root
+  parameter into a module (Wan's `scale_shift_table`), so base weights and LoRA adapters in
+  diffusers' names reach vLLM-Omni's parameters (`omni.rollout.native_names`);
 - `timestep`: the transformer's timestep for the scheduler's fp32 noise levels, computed as the
   family's actor computes it (vLLM-Omni's loop would hand over a timestep cast to the model's
   dtype, which in bf16 rounds t = 1000 sigma by up to 2);
@@ -69,9 +71,30 @@ class NativePipeline:
     fused: Dict[str, Tuple[str, str]] = QKV_FUSED
     # ((plain module path part, vLLM-Omni's), ...)
     renamed: Tuple[Tuple[str, str], ...] = ()
+    # ((plain root parameter, vLLM-Omni's full name), ...)
+    renamed_parameters: Tuple[Tuple[str, str], ...] = ()
     cond_arguments: Tuple[str, ...] = ()
     post_processes_images: bool = False
     noise = staticmethod(unpacked_step_noise)
+
+    def transformer_problem(self, config: dict) -> Optional[str]:
+        """What in a transformer config (diffusers' config.json) vLLM-Omni's transformer of the
+        family computes otherwise than diffusers' (so its samples would not be the trained
+        policy's), or None."""
+        return None
+
+    def fused_module(self, plain: str) -> Optional[Tuple[str, str]]:
+        """(vLLM-Omni's fused module path, shard) of a plain module path whose projection is
+        fused (`fused`: its last two path parts or its leaf), else None."""
+        parent, _, leaf = plain.rpartition(".")
+        tail = f"{parent.rpartition('.')[2]}.{leaf}"
+        if tail in self.fused:  # a rule for one attention: the fused layer sits beside it
+            fused, shard = self.fused[tail]
+        elif leaf in self.fused:
+            fused, shard = self.fused[leaf]
+        else:
+            return None
+        return (f"{parent}.{fused}" if parent else fused), shard
 
     @property
     def class_name(self) -> str:

@@ -137,10 +137,29 @@ class WanPromptEmbeds(Conditioning):
 
 
 class WanNative(NativePipeline):
-    """vLLM-Omni has a Wan pipeline, which the native backend does not extend yet."""
+    """vLLM-Omni's Wan pipeline, which the native backend does not extend yet; its transformer's
+    names are known (base syncs fill it: tests/rollout/test_vllm_native_contract.py)."""
 
-    pipeline = "WanPipeline"
+    pipeline = "vllm_omni.diffusion.models.wan2_2.pipeline_wan2_2.Wan22Pipeline"
     extended = False
+    # the self-attention's q/k/v fused; the cross-attention's (attn2) kept apart
+    fused = {f"attn1.{p}": ("to_qkv", p[-1]) for p in ("to_q", "to_k", "to_v")}
+    renamed = (("to_out.0", "to_out"), ("ffn.net.0", "ffn.net_0"), ("ffn.net.2", "ffn.net_2"))
+    renamed_parameters = (("scale_shift_table", "output_scale_shift_prepare.scale_shift_table"),)
+
+    def transformer_problem(self, config: dict) -> Optional[str]:
+        """vLLM-Omni's rotary embedding builds its tables over a head's channels split (frames,
+        height, width) as diffusers does, (d - 4 (d // 6), 2 (d // 6), 2 (d // 6)), but applies
+        them split (d - 2 (d // 3), d // 3, d // 3): the same split only where d // 3 is even,
+        as for every published Wan (d = 128); the tiny Wan's d = 16 is not (8/4/4 against 6/5/5)."""
+        d = config["attention_head_dim"]
+        if d // 3 == 2 * (d // 6):
+            return None
+        return (
+            f"attention_head_dim={d}: vLLM-Omni's Wan applies its rotary tables split ({d - 2 * (d // 3)}, {d // 3}, "
+            f"{d // 3}) but builds them ({d - 4 * (d // 6)}, {2 * (d // 6)}, {2 * (d // 6)}), so its velocity is not "
+            "the trained transformer's (heads of 128 channels, every published Wan, agree)"
+        )
 
 
 class WanFamily(ModelFamily):

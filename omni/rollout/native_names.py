@@ -3,10 +3,12 @@
 `rollout.options.backend=native` runs vLLM-Omni's own transformer of the family, whose
 modules follow diffusers' names except where vLLM-Omni fuses projections into one parallel
 linear layer or renames a module path part: the family states both (`native.fused`,
-`native.renamed`; `omni.models.native`). For SD3, FLUX and Qwen-Image `to_q`/`to_k`/`to_v`
-are the shards q/k/v of `to_qkv`, and the context stream's `add_q_proj`/`add_k_proj`/
-`add_v_proj` those of `add_kv_proj`; Qwen-Image's `to_out.0` (diffusers' list's first
-entry, the output linear) is vLLM-Omni's `to_out`. A weight is loaded by its target
+`native.renamed`, `native.renamed_parameters`; `omni.models.native`). For SD3, FLUX and
+Qwen-Image `to_q`/`to_k`/`to_v` are the shards q/k/v of `to_qkv`, and the context stream's
+`add_q_proj`/`add_k_proj`/`add_v_proj` those of `add_kv_proj`; Qwen-Image's `to_out.0`
+(diffusers' list's first entry, the output linear) is vLLM-Omni's `to_out`. Wan fuses its
+self-attention's (`attn1`) q/k/v only, names its feed-forward's layers `net_0`/`net_2` and
+keeps the output's `scale_shift_table` in a module. A weight is loaded by its target
 parameter's own `weight_loader` (which places a shard and, under tensor parallelism, slices
 it), so we name the target and the shard; loading checks that every target parameter (every
 shard of a fused one) gets exactly one tensor.
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Optional, Set, Tuple
 
-from omni.rollout.native_support import native_facts
+from omni.rollout.native_support import weight_facts
 
 Target = Tuple[str, Optional[str]]  # (vLLM-Omni's parameter name, shard or None)
 
@@ -27,20 +29,22 @@ def native_module(family: str, module: str) -> str:
     """A plain module path (`transformer_blocks.0.attn.to_out.0`) under vLLM-Omni's
     renames (`transformer_blocks.0.attn.to_out`); fused projections keep their plain name."""
     dotted = f".{module}."
-    for plain, native in native_facts(family).renamed:
+    for plain, native in weight_facts(family).renamed:
         dotted = dotted.replace(f".{plain}.", f".{native}.")
     return dotted[1:-1]
 
 
 def native_name(family: str, plain: str) -> Target:
     """The vLLM-Omni parameter (and shard) that the plain tensor `plain` loads into."""
-    rules = native_facts(family).fused
+    facts = weight_facts(family)
+    moved = dict(facts.renamed_parameters)
+    if plain in moved:  # a root parameter vLLM-Omni keeps in a module
+        return moved[plain], None
     module, _, leaf = plain.rpartition(".")  # leaf: weight, bias
     module = native_module(family, module)
-    parent, _, last = module.rpartition(".")
-    if last in rules:
-        fused, shard = rules[last]
-        return f"{parent}.{fused}.{leaf}" if parent else f"{fused}.{leaf}", shard
+    fused = facts.fused_module(module)
+    if fused is not None:
+        return f"{fused[0]}.{leaf}", fused[1]
     return f"{module}.{leaf}" if module else leaf, None
 
 
@@ -61,7 +65,7 @@ def expected_targets(family: str, native_param_names: Iterable[str]) -> Set[Targ
     """What a complete base sync fills: each parameter of vLLM-Omni's module, each shard
     of a fused one."""
     shards: Dict[str, Set[str]] = {}
-    for fused, shard in native_facts(family).fused.values():
+    for fused, shard in weight_facts(family).fused.values():
         shards.setdefault(fused, set()).add(shard)
     out: Set[Target] = set()
     for name in native_param_names:

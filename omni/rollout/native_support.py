@@ -56,6 +56,15 @@ def native_facts(family: str) -> NativePipeline:
     return native
 
 
+def weight_facts(family: str) -> NativePipeline:
+    """`model.family`'s transformer names in vLLM-Omni (`fused`, `renamed`, ...), also for a
+    pipeline not extended yet; a KeyError for a family vLLM-Omni has no pipeline of."""
+    native = get_family(family).native
+    if native is None:
+        raise KeyError(f"model.family={family}: vLLM-Omni has no pipeline of it that omni-recipes knows")
+    return native
+
+
 def native_class_name(family: str) -> str:
     """Our pipeline class of `family` in `NATIVE_MODULE`: `Native` + vLLM-Omni's class name."""
     return f"Native{native_facts(family).class_name}"

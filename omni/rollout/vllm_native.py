@@ -127,8 +127,9 @@ def declare_fused_projections(transformer: torch.nn.Module, family: str) -> None
     transformer's `stacked_params_mapping`; SD3's `load_weights` sets it, FLUX's keeps it
     local, so a transformer without one gets the family's fusion rules (`native.fused`)."""
     if getattr(transformer, "stacked_params_mapping", None) is None:
-        rules = native_facts(family).fused.items()
-        transformer.stacked_params_mapping = [(f".{fused}", f".{plain}", shard) for plain, (fused, shard) in rules]
+        facts = native_facts(family)
+        rules = [(facts.fused_module(plain), plain) for plain in facts.fused]
+        transformer.stacked_params_mapping = [(f".{fused}", f".{plain}", shard) for (fused, shard), plain in rules]
 
 
 class NativeRollout:

@@ -96,3 +96,37 @@ def test_a_missing_or_doubled_tensor_is_named():
         check_complete("sd3", short, fused_names)
     with pytest.raises(KeyError, match="both map to"):
         native_names("sd3", ["x.to_q.weight", "x.to_q.weight"])
+
+
+def test_wan_fuses_its_self_attention_only_and_moves_its_renamed_parts():
+    """vLLM-Omni's Wan fuses the self-attention's (`attn1`) q/k/v and keeps the cross-attention's
+    (`attn2`) apart, names `to_out.0` and the feed-forward's `net.0`/`net.2` `to_out`,
+    `net_0`/`net_2`, and keeps the output's root `scale_shift_table` in a module (each block's
+    own table stays where it is)."""
+    from omni.models.wan import FAMILY as WAN
+
+    plain = list(plain_base_names(WAN.meta_transformer()))
+    targets = native_names("wan", plain)
+    assert len(set(targets.values())) == len(plain)
+    fused = {t for t in targets.values() if t[1] is not None}
+    assert len(fused) == 2 * 3 * 2  # 2 blocks x attn1's q/k/v x (weight, bias)
+    assert native_name("wan", "blocks.1.attn1.to_k.weight") == ("blocks.1.attn1.to_qkv.weight", "k")
+    assert native_name("wan", "blocks.1.attn2.to_k.weight") == ("blocks.1.attn2.to_k.weight", None)
+    assert native_name("wan", "blocks.0.ffn.net.2.bias") == ("blocks.0.ffn.net_2.bias", None)
+    assert native_name("wan", "blocks.0.attn2.to_out.0.bias") == ("blocks.0.attn2.to_out.bias", None)
+    assert native_name("wan", "scale_shift_table") == ("output_scale_shift_prepare.scale_shift_table", None)
+    assert native_name("wan", "blocks.0.scale_shift_table") == ("blocks.0.scale_shift_table", None)
+    check_complete("wan", targets.values(), sorted({target for target, _ in targets.values()}))
+    assert WAN.native.fused_module("blocks.0.attn1.to_v") == ("blocks.0.attn1.to_qkv", "v")
+    assert WAN.native.fused_module("blocks.0.attn2.to_v") is None
+
+
+def test_wan_heads_whose_rotary_split_vllm_omni_applies_otherwise_are_named():
+    """vLLM-Omni's Wan builds its rotary tables split (d - 4 (d // 6), 2 (d // 6), 2 (d // 6))
+    and applies them split (d - 2 (d // 3), d // 3, d // 3): the same for 128 (published Wan)
+    and 24, not for the tiny Wan's 16 (tests/rollout/test_vllm_native_contract.py measures it)."""
+    from omni.models.wan import FAMILY as WAN
+
+    assert WAN.native.transformer_problem({"attention_head_dim": 128}) is None
+    assert WAN.native.transformer_problem({"attention_head_dim": 24}) is None
+    assert "split (6, 5, 5) but builds them (8, 4, 4)" in WAN.native.transformer_problem({"attention_head_dim": 16})

@@ -20,7 +20,7 @@ def test_the_served_families_are_those_that_state_their_facts():
     assert native_pipeline_class("sd3") == "omni.rollout.vllm_native.NativeStableDiffusion3Pipeline"
     assert native_pipeline_class("qwen_image") == "omni.rollout.vllm_native.NativeQwenImagePipeline"
     assert all(family_problem(f) is None for f in native_families())
-    assert "vLLM-Omni has a WanPipeline but omni-recipes does not extend it yet" in family_problem("wan")
+    assert "vLLM-Omni has a Wan22Pipeline but omni-recipes does not extend it yet" in family_problem("wan")
     assert "or use rollout.options.backend=vllm" in family_problem("no_such_family")
     with pytest.raises(KeyError, match="model.family=wan"):
         native_facts("wan")

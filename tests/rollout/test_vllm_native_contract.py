@@ -1,7 +1,7 @@
 """The native backend against the installed vLLM-Omni (skipped without vllm_omni, which
 lives in the engine env; run there with
 `ENV/bin/python -m pytest -n 0 tests/rollout/test_vllm_native_contract.py`): our base-weight
-names fill every parameter of its real SD3, FLUX and Qwen-Image transformers once, after which
+names fill every parameter of its real SD3, FLUX, Qwen-Image and Wan transformers once, after which
 each computes the diffusers transformer's velocity; its pipelines have the hooks we use;
 Qwen-Image's requests, LoRA adapters and post-processed answers reach it as we mean them."""
 
@@ -22,6 +22,7 @@ from omni.models.qwen_image import FAMILY as QWEN  # noqa: E402
 from omni.models.qwen_image import NEGATIVE_PROMPT, velocity
 from omni.models.qwen_image import TINY_TRANSFORMER as QWEN_TINY
 from omni.models.sd3 import build_tiny_transformer  # noqa: E402
+from omni.models.wan import TINY_TRANSFORMER as WAN_TINY  # noqa: E402
 from omni.rollout.native_support import hook_problems, missing_hooks, request_guidance  # noqa: E402
 from omni.rollout.vllm_native import NativeRollout, keep_linear_weights, load_native_base, native_targets  # noqa: E402
 from omni.weights import plain_base_names  # noqa: E402
@@ -168,6 +169,48 @@ def test_qwen_image_base_names_fill_every_parameter_once_and_give_the_same_veloc
     assert (got - want).abs().max() <= 1e-5
     with pytest.raises(KeyError, match="missing"):
         load_native_base(module, "qwen_image", {k: v for k, v in plain.items() if ".to_out.0." not in k})
+
+
+@pytest.mark.parametrize("head_dim", [24, 16])
+def test_wan_base_names_fill_every_parameter_once_and_give_the_same_velocity(head_dim, tiny_wan_dir, parallel_group):
+    """Wan's self-attention q/k/v fused (the cross-attention's apart), its renamed `to_out`,
+    feed-forward layers and output `scale_shift_table`: vLLM-Omni's transformer, built as its
+    pipeline builds it, gives the diffusers transformer's velocity on a clip where its rotary
+    split agrees with diffusers' (heads of 24 channels, as of 128); with the tiny Wan's 16 it
+    does not, which the family's native facts name (`WanNative.transformer_problem`)."""
+    from diffusers import WanTransformer3DModel
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.forward_context import set_forward_context
+    from vllm_omni.diffusion.models.wan2_2.pipeline_wan2_2 import create_transformer_from_config
+
+    from omni.models.wan import FAMILY as WAN
+
+    config = {**json.loads((tiny_wan_dir / "transformer" / "config.json").read_text()), "attention_head_dim": head_dim}
+    with set_current_vllm_config(VllmConfig()):
+        module = create_transformer_from_config(config)
+    keep_linear_weights(module)
+    torch.manual_seed(3)
+    reference = WanTransformer3DModel(**{**WAN_TINY, "attention_head_dim": head_dim})
+    plain = {k: v.detach() for k, v in plain_base_names(reference).items()}
+    assert load_native_base(module, "wan", plain) == len(plain)
+    after_loading(module)
+    generator = torch.Generator().manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(2, 16, 2, 8, 8, generator=generator),
+        timestep=torch.tensor([900.0, 250.0]),
+        encoder_hidden_states=torch.randn(2, 10, WAN_TINY["text_dim"], generator=generator),
+        return_dict=False,
+    )
+    with torch.no_grad(), set_forward_context(omni_diffusion_config=OmniDiffusionConfig(model=str(tiny_wan_dir))):
+        gap = (module(**inputs)[0] - reference(**inputs)[0]).abs().max()
+    problem = WAN.native.transformer_problem(config)
+    if head_dim == 24:
+        assert problem is None and gap <= 1e-5
+    else:
+        assert "attention_head_dim=16" in problem and gap > 1e-4
+    with pytest.raises(KeyError, match="missing"):
+        load_native_base(module, "wan", {k: v for k, v in plain.items() if k != "scale_shift_table"})
 
 
 def test_qwen_image_requests_ask_for_true_cfg_on_the_negative_prompt():
