@@ -6,15 +6,20 @@ A model family, an algorithm, a reward or a rollout engine is the module
 
 A component outside the package (a plugin) is found the same way through an entry point of
 the group `omni_recipes.<package's last part>` (`omni_recipes.algorithms`, `.rewards`,
-`.models`, `.rollout`): its name is the config name, its value the module.
+`.models`, `.rollout`): its name is the config name, its value the module. The installed
+entry points are read once per `sys.path` (reading them scans every distribution's metadata,
+and composing one config asks for them thousands of times); a package installed into the
+running process's path afterwards is found by the next process.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import pkgutil
-from typing import Any, Dict, List
+import sys
+from typing import Any, Dict, List, Tuple
 
 
 class Registry:
@@ -58,4 +63,14 @@ def plugins(package: str) -> Dict[str, str]:
     """Config name -> module of the installed plugins of a package's kind (entry points of the
     group `omni_recipes.<package's last part>`)."""
     group = f"omni_recipes.{package.rpartition('.')[2]}"
-    return {point.name: point.value for point in importlib.metadata.entry_points(group=group)}
+    return dict(entry_points(group))
+
+
+def entry_points(group: str) -> Tuple[Tuple[str, str], ...]:
+    """(name, value) of the installed entry points of `group`."""
+    return _entry_points(tuple(sys.path), group)
+
+
+@functools.lru_cache(maxsize=None)
+def _entry_points(path: Tuple[str, ...], group: str) -> Tuple[Tuple[str, str], ...]:
+    return tuple((point.name, point.value) for point in importlib.metadata.entry_points(group=group))

@@ -3,7 +3,6 @@
 What every engine takes; an engine with options of its own declares them in its module
 (`Options`, a subclass of `RolloutConfig`, stored as `schema/rollout/<engine>`)."""
 
-import importlib.metadata
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import List, Optional
 from omegaconf import MISSING
 
 from omni.config.errors import require
+from omni.registry import entry_points
 
 
 def engine_names() -> List[str]:
@@ -23,7 +23,7 @@ def engine_names() -> List[str]:
         for path in (Path(__file__).resolve().parents[1] / "rollout").glob("*_engine.py")
     }
     # and a plugin's engine: an entry point of omni_recipes.rollout (see omni.registry)
-    return sorted(found | {point.name for point in importlib.metadata.entry_points(group="omni_recipes.rollout")})
+    return sorted(found | {name for name, _ in entry_points("omni_recipes.rollout")})
 
 
 # The closed set of `rollout.engine`, discovered (an engine's options and checks are in its module).
