@@ -22,7 +22,9 @@ family. Its facts:
 - `noise`: the step noise's layout (a packed family draws it unpacked and packs it, as its
   initial latent), so the scheduler draws what the in-process sampler draws;
 - `post_processes_images`: vLLM-Omni's post-process of the family converts images even with
-  output_type latent.
+  output_type latent;
+- `prepare`: what vLLM-Omni's pipeline needs changed before our scheduler takes its place
+  (Wan's builds its own UniPC solver; ours steps the checkpoint's Euler flow).
 
 No vLLM import here: the facts are plain data and functions, tested without the engine env.
 """
@@ -82,6 +84,11 @@ class NativePipeline:
         family computes otherwise than diffusers' (so its samples would not be the trained
         policy's), or None."""
         return None
+
+    def prepare(self, pipe: Any) -> None:
+        """Called on vLLM-Omni's pipeline at start-up, before `FlowGRPOScheduler` is built from
+        `pipe.scheduler.config`: whatever the pipeline needs for that scheduler to be the
+        family's (nothing, for a pipeline that loads the checkpoint's scheduler)."""
 
     def fused_module(self, plain: str) -> Optional[Tuple[str, str]]:
         """(vLLM-Omni's fused module path, shard) of a plain module path whose projection is

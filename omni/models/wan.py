@@ -126,6 +126,17 @@ def tiny_wan_path(cache_dir: str | os.PathLike, seed: int = 0) -> Path:
     return cached_checkpoint(cache_dir, "wan-tiny", TINY_BUILDER_VERSION, seed, lambda path: write_tiny_wan(path, seed))
 
 
+def euler_scheduler(config: dict):
+    """The flow-matching Euler scheduler our sampler steps for a checkpoint's scheduler config
+    (with its `_class_name`): the checkpoint's own if it is one, else one of the same shift
+    (published checkpoints ship UniPC with a `flow_shift`)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if config.get("_class_name") == FlowMatchEulerDiscreteScheduler.__name__:
+        return FlowMatchEulerDiscreteScheduler.from_config(config)
+    return FlowMatchEulerDiscreteScheduler(shift=float(config.get("flow_shift", 1.0)))
+
+
 # ----------------------------------------------------------------- conditioning
 @dataclass
 class WanPromptEmbeds(Conditioning):
@@ -137,15 +148,42 @@ class WanPromptEmbeds(Conditioning):
 
 
 class WanNative(NativePipeline):
-    """vLLM-Omni's Wan pipeline, which the native backend does not extend yet; its transformer's
-    names are known (base syncs fill it: tests/rollout/test_vllm_native_contract.py)."""
+    """vLLM-Omni's Wan pipeline (Wan2.1 and Wan2.2 TI2V text-to-video, one transformer) under
+    `rollout.options.backend=native`. Its transformer's names: the self-attention's q/k/v fused
+    into `to_qkv`, the cross-attention's apart, `to_out`, the feed-forward layers and the output
+    `scale_shift_table` renamed. Its scheduler: vLLM-Omni builds a UniPC solver (or an Euler one
+    for `sample_solver=euler`) of the engine's `flow_shift`, and rebuilds it when a request asks
+    for another; `prepare` sets its loop to the Euler path (`set_timesteps(n)`, no rebuild) and
+    puts the checkpoint's own Euler scheduler, as `WanFamily.load_pipeline` does, in place for
+    `FlowGRPOScheduler`, so the noise levels are the trained family's whatever the engine's
+    `flow_shift`."""
 
     pipeline = "vllm_omni.diffusion.models.wan2_2.pipeline_wan2_2.Wan22Pipeline"
-    extended = False
+    hooks = ("diffuse", "forward", "scheduler_step", "load_weights", "encode_prompt")
     # the self-attention's q/k/v fused; the cross-attention's (attn2) kept apart
     fused = {f"attn1.{p}": ("to_qkv", p[-1]) for p in ("to_q", "to_k", "to_v")}
     renamed = (("to_out.0", "to_out"), ("ffn.net.0", "ffn.net_0"), ("ffn.net.2", "ffn.net_2"))
     renamed_parameters = (("scale_shift_table", "output_scale_shift_prepare.scale_shift_table"),)
+    cond_arguments = ("prompt_embeds", "negative_prompt_embeds")
+
+    def prepare(self, pipe) -> None:
+        config = json.loads((Path(pipe.od_config.model) / "scheduler" / "scheduler_config.json").read_text())
+        pipe._sample_solver = "euler"
+        pipe.scheduler = euler_scheduler(config)
+
+    def timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
+        return sigmas * 1000  # Wan's transformer takes t = 1000 sigma
+
+    @torch.no_grad()
+    def encode_prompts(self, pipe, prompts, guidance_scale: float, max_sequence_length: int):
+        """From vLLM-Omni's UMT5 (zero past each prompt's tokens, as ours; negatives: "")."""
+        embeds, negatives = pipe.encode_prompt(
+            prompt=list(prompts),
+            negative_prompt=NEGATIVE_PROMPT,
+            do_classifier_free_guidance=guidance_scale > 1,
+            max_sequence_length=max_sequence_length,
+        )
+        return pipe.family.conditioning(embeds, negatives).apply(lambda t: t.cpu())
 
     def transformer_problem(self, config: dict) -> Optional[str]:
         """vLLM-Omni's rotary embedding builds its tables over a head's channels split (frames,
@@ -247,11 +285,8 @@ class WanFamily(ModelFamily):
     def load_pipeline(self, path, dtype: torch.dtype, load_base: bool = True, without_transformer: bool = False):
         """The pipeline (see `ModelFamily.load_pipeline`), its scheduler the Euler one of the
         checkpoint's shift (the module docstring says why)."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
         pipe = super().load_pipeline(path, dtype, load_base, without_transformer)
-        if not isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler):
-            pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=float(pipe.scheduler.config.get("flow_shift", 1.0)))
+        pipe.scheduler = euler_scheduler({"_class_name": type(pipe.scheduler).__name__, **pipe.scheduler.config})
         return pipe
 
     # ----------------------------------------------------------------- sampling

@@ -43,7 +43,15 @@ from diffusers.configuration_utils import register_to_config
 
 from omni.models.base import dtype_argument
 from omni.models.tiny_parts import cached_checkpoint, save_pipeline, t5_tokenizer
-from omni.models.wan import TINY_SHIFT, TINY_TEXT_LENGTH, TINY_TRANSFORMER, WanFamily, umt5_encoder, wan_vae
+from omni.models.wan import (
+    TINY_SHIFT,
+    TINY_TEXT_LENGTH,
+    TINY_TRANSFORMER,
+    WanFamily,
+    WanNative,
+    umt5_encoder,
+    wan_vae,
+)
 
 TINY_BUILDER_VERSION = 1
 # Wan2.2-T2V-A14B's model_index.json (and the Wan2.2 repository's t2v_A14B config: boundary 0.875).
@@ -148,9 +156,18 @@ def boundary_timestep(path: str | os.PathLike) -> float:
     return ratio * scheduler.get("num_train_timesteps", 1000)
 
 
+class Wan22Native(WanNative):
+    """vLLM-Omni's Wan pipeline runs both experts too (`transformer_2` below its boundary),
+    but the native backend does not extend it for them yet: each expert's weight syncs and
+    LoRA adapters would need their own names."""
+
+    extended = False
+
+
 class Wan22Family(WanFamily):
     name = "wan22"
     experts = EXPERTS
+    native = Wan22Native()
     layer_prefixes = ("high_noise.blocks.", "low_noise.blocks.")
     # Each expert is Wan2.1 T2V 14B's architecture (the Wan2.2 repository's wan/configs/
     # wan_t2v_A14B.py: dim 5120, ffn 13824, 40 heads, 40 layers); the estimate holds two.

@@ -14,7 +14,7 @@ none a copy of their code:
   takes the Flow-GRPO SDE / ODE steps, records the fp32 trajectory and per-step log-probs;
 - the transformer's timestep: a forward pre-hook gives it the fp32 timestep of the
   scheduler's step, computed as the family's actor computes it (`native.timestep`;
-  SD3: 1000 sigma; FLUX: sigma, which its transformer multiplies by 1000 itself;
+  SD3 and Wan: 1000 sigma; FLUX: sigma, which its transformer multiplies by 1000 itself;
   Qwen-Image: (1000 sigma) / 1000, as its pipeline hands the scheduler's timestep over).
   vLLM-Omni's loops cast the timestep to the model's dtype first (FLUX's and Qwen-Image's
   also divide the cast 1000 sigma by 1000); in bf16 that rounds t = 1000 sigma by up to 2,
@@ -27,13 +27,15 @@ none a copy of their code:
   answers with the same `DiffusionOutput` fields as our `vllm` backend
   (`omni.rollout.vllm_protocol.output_fields`; Qwen-Image's image also in the metadata
   group, as its post-process makes PIL images of the payload), so the driver gets the same
-  RolloutBatch. FLUX's and Qwen-Image's latents stay packed, as our families keep them
-  (vLLM-Omni packs them the same way, and our scheduler draws its noise unpacked and packs
-  it, as the in-process sampler).
+  RolloutBatch (Wan's clips as (frames, 3, H, W) images). FLUX's and Qwen-Image's latents
+  stay packed, as our families keep them (vLLM-Omni packs them the same way, and our
+  scheduler draws its noise unpacked and packs it, as the in-process sampler).
 
 FLUX.1-dev's distilled guidance needs nothing of ours: vLLM-Omni's loop gives the
 transformer the same fp32 guidance vector (`guidance_scale` per image) the actor does, and
-no negative prompt means no true CFG pass. Qwen-Image's true CFG is vLLM-Omni's own loop:
+no negative prompt means no true CFG pass. Wan's CFG is vLLM-Omni's loop too (v_neg +
+s (v_pos - v_neg) on the prompt "", as ours); its UniPC solver gives way to the checkpoint's
+Euler flow (`WanNative.prepare`). Qwen-Image's true CFG is vLLM-Omni's own loop:
 the same combination and per-token norm rescale as our family's, run when the request
 carries the negative prompt " " and `true_cfg_scale` (the server adds them:
 `omni.rollout.native_support.request_guidance`).
@@ -155,6 +157,7 @@ class NativeRollout:
         declare_fused_projections(self.transformer, self.family_name)
         if self.device.type == "cpu":
             keep_linear_weights(self.transformer)
+        self.native.prepare(self)
         self.scheduler = FlowGRPOScheduler.from_config(self.scheduler.config)
         self.transformer.register_forward_pre_hook(self._fp32_timesteps, with_kwargs=True)
         self._given: Dict[str, Any] = {}

@@ -4,9 +4,9 @@ The engine process submits one vLLM-Omni request per image; vLLM-Omni co-batches
 compatible requests (up to `max_num_seqs`) into one call of our pipeline's `forward`.
 
 - request: the prompt as an `OmniTextPrompt` dict; `OmniDiffusionSamplingParams` fields
-  for steps, size, guidance, text length and the image's seed; our sampler's options (noise
-  level, SDE window and step, ODE solver) under `extra_args["omni_rollout"]`, the params'
-  free-form slot.
+  for steps, size, frames (1 for an image), guidance, text length and the image's seed; our
+  sampler's options (noise level, SDE window and step, ODE solver) under
+  `extra_args["omni_rollout"]`, the params' free-form slot.
 - answer (`DiffusionOutput` fields): the image as the output payload, the latent
   trajectory, per-step log-probs and noise levels in the `trajectory_*` fields vLLM-Omni
   keeps for RL, and the text embeddings in an `omni_rollout` metadata group (vLLM-Omni
@@ -42,6 +42,7 @@ def request_inputs(prompt: str, seed: int, options: SamplingOptions) -> Tuple[Di
         num_inference_steps=options.num_steps,
         height=options.resolution,
         width=options.resolution,
+        num_frames=options.num_frames,
         guidance_scale=options.guidance_scale,
         max_sequence_length=options.max_sequence_length,
         seed=int(seed),
@@ -79,6 +80,7 @@ def options_from_sampling_params(params) -> SamplingOptions:
         sde_steps=tuple(ours.get("sde_steps", (0, 0))),
         sde_type=str(ours.get("sde_type", "sde")),
         ode_solver=str(ours.get("ode_solver", "euler")),
+        num_frames=int(getattr(params, "num_frames", None) or 1),
     )
 
 

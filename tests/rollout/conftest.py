@@ -1,6 +1,6 @@
 """Helpers shared by the rollout-engine tests: sampling options, random LoRA weights and
 the pipeline vLLM-Omni would build, on the tiny SD3 (the native backend's also on the tiny
-FLUX and Qwen-Image)."""
+FLUX, Qwen-Image and a tiny Wan whose heads vLLM-Omni's rotary split takes)."""
 
 from __future__ import annotations
 
@@ -81,6 +81,33 @@ def flux_engine(tiny_flux_dir):
 
     return load_diffusers_engine(
         FLUX, tiny_flux_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=True
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_native_dir(tmp_path_factory):
+    """The tiny Wan with heads of 24 channels instead of 16: vLLM-Omni's Wan applies its
+    rotary tables as diffusers does only where d // 3 is even, as for every published Wan
+    (`WanNative.transformer_problem`)."""
+    from diffusers import WanTransformer3DModel
+
+    from omni.models.tiny_parts import save_pipeline
+    from omni.models.wan import TINY_TRANSFORMER, build_tiny_wan_pipeline
+
+    pipe = build_tiny_wan_pipeline(seed=0)
+    torch.manual_seed(0)
+    pipe.transformer = WanTransformer3DModel(**{**TINY_TRANSFORMER, "attention_head_dim": 24})
+    return save_pipeline(pipe, tmp_path_factory.mktemp("wan-native") / "wan")
+
+
+@pytest.fixture
+def wan_engine(tiny_wan_native_dir):
+    """The in-process engine on that tiny Wan (5-D clip latents, CFG on the prompt "")."""
+    from omni.models.wan import FAMILY as WAN
+    from omni.rollout.diffusers_engine import load_diffusers_engine
+
+    return load_diffusers_engine(
+        WAN, tiny_wan_native_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=True
     )
 
 

@@ -130,3 +130,25 @@ def test_wan_heads_whose_rotary_split_vllm_omni_applies_otherwise_are_named():
     assert WAN.native.transformer_problem({"attention_head_dim": 128}) is None
     assert WAN.native.transformer_problem({"attention_head_dim": 24}) is None
     assert "split (6, 5, 5) but builds them (8, 4, 4)" in WAN.native.transformer_problem({"attention_head_dim": 16})
+
+
+def test_wan_rollouts_step_the_checkpoints_euler_flow_not_vllm_omnis_solver(tiny_wan_dir):
+    """vLLM-Omni's Wan builds a UniPC solver of the engine's `flow_shift` and rebuilds it for a
+    request that asks for another solver; `prepare` (run on its pipeline at start-up) puts its
+    loop on the Euler path and the checkpoint's own scheduler in place, which our scheduler
+    is built from. A stand-in for vLLM-Omni's pipeline (it lives in the engine env) with the
+    two attributes `prepare` sets; the real one: tests/rollout/test_vllm_cpu_smoke.py."""
+    from types import SimpleNamespace
+
+    from omni.models.wan import FAMILY as WAN
+    from omni.models.wan import TINY_SHIFT, euler_scheduler
+
+    pipe = SimpleNamespace(od_config=SimpleNamespace(model=str(tiny_wan_dir)), _sample_solver="unipc", scheduler=None)
+    WAN.native.prepare(pipe)
+    assert pipe._sample_solver == "euler"
+    assert type(pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
+    assert pipe.scheduler.config.shift == TINY_SHIFT
+    # a published checkpoint's UniPC solver: the Euler flow of its flow_shift
+    published = {"_class_name": "UniPCMultistepScheduler", "flow_shift": 5.0, "use_flow_sigmas": True}
+    assert type(euler_scheduler(published)).__name__ == "FlowMatchEulerDiscreteScheduler"
+    assert euler_scheduler(published).config.shift == 5.0

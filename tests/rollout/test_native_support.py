@@ -16,14 +16,16 @@ from omni.rollout.native_support import (
 
 
 def test_the_served_families_are_those_that_state_their_facts():
-    assert native_families() == ["flux", "qwen_image", "sd3"]
+    assert native_families() == ["flux", "qwen_image", "sd3", "wan"]
     assert native_pipeline_class("sd3") == "omni.rollout.vllm_native.NativeStableDiffusion3Pipeline"
     assert native_pipeline_class("qwen_image") == "omni.rollout.vllm_native.NativeQwenImagePipeline"
     assert all(family_problem(f) is None for f in native_families())
-    assert "vLLM-Omni has a Wan22Pipeline but omni-recipes does not extend it yet" in family_problem("wan")
+    assert native_pipeline_class("wan") == "omni.rollout.vllm_native.NativeWan22Pipeline"
+    # Wan2.2 A14B: vLLM-Omni's Wan pipeline runs both experts, the native backend not yet
+    assert "vLLM-Omni has a Wan22Pipeline but omni-recipes does not extend it yet" in family_problem("wan22")
     assert "or use rollout.options.backend=vllm" in family_problem("no_such_family")
-    with pytest.raises(KeyError, match="model.family=wan"):
-        native_facts("wan")
+    with pytest.raises(KeyError, match="model.family=wan22"):
+        native_facts("wan22")
 
 
 def test_qwen_image_requests_carry_the_negative_prompt_and_scale_under_cfg():

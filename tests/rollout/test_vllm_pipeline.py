@@ -125,6 +125,8 @@ def test_request_round_trips_the_options():
     assert options_from_sampling_params(SimpleNamespace(**request_inputs("a cat", 1, cps)[1])) == cps
     flash = options(sde_steps=(0, 2), ode_solver="dpm2")  # and the same ODE steps
     assert options_from_sampling_params(SimpleNamespace(**request_inputs("a cat", 1, flash)[1])) == flash
+    clip = options(num_frames=9)  # a video family's clips keep their length
+    assert options_from_sampling_params(SimpleNamespace(**request_inputs("a cat", 1, clip)[1])) == clip
 
 
 def test_an_image_a_post_process_would_convert_rides_in_the_metadata(synced):
