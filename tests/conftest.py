@@ -27,6 +27,15 @@ CONF_DIR = str(CONF_DIR)
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
+def pytest_collection_modifyitems(items):
+    """The modules with `slow` tests first, the rest after, each module's tests together and in
+    their order: pyproject's `--dist loadscope` hands a worker whole modules in this order, so
+    the long ones start early and the two workers finish together (a long module taken last
+    left the other worker idle for minutes)."""
+    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module.__name__ not in slow)
+
+
 @contextlib.contextmanager
 def one_process_group_at_a_time():
     """Held by the tests that start several processes (two training runs, a Ray cluster and

@@ -1,8 +1,9 @@
-"""Flow-GRPO through the real CLI on the tiny FLUX, Qwen-Image and Wan (5-frame clips scored
-by their frames' mean brightness, and 9-frame clips by their temporal consistency) and Wan
-image-to-video (5-frame clips from the recolor scenes as first frames, by brightness), each with
-its preset where it has one (omni/conf/model_algorithm/): the held-out reward rises in a paired comparison (same
-prompts and seeds before and after). Five runs, two at a time, on other seeds and thread counts; the
+"""Flow-GRPO through the real CLI on the tiny FLUX, Qwen-Image and Wan (9-frame clips scored
+by their temporal consistency) and Wan image-to-video (5-frame clips from the recolor scenes as
+first frames, by their frames' mean brightness), each with its preset where it has one
+(omni/conf/model_algorithm/): the held-out reward rises in a paired comparison (same prompts
+and seeds before and after). Four runs at once, on other seeds and thread counts (Wan's
+brightness run, which its temporal and image-to-video runs cover, left for time); the
 closing notes give more seeds (Qwen-Image's seed 0 starts slowly: it needs about 50 steps;
 Wan's brightness seeds 0 and 1 reach t 13 and 15, its temporal consistency with 9 frames
 seeds 0-2 t 11-18, seed 3 with 2 threads t 23; Wan I2V seed 0 with 1 thread t 49, seed 1
@@ -15,7 +16,6 @@ from tests.recipes.test_train import paired_gain, train_in_parallel
 RUNS = {
     "flux_tiny": (1, ["model=flux_tiny", "seed=0", "trainer.steps=20"]),
     "qwen_image_tiny": (2, ["model=qwen_image_tiny", "seed=1", "trainer.steps=20"]),
-    "wan_tiny": (1, ["model=wan_tiny", "reward=frame_brightness", "seed=1", "trainer.steps=20"]),
     # image-to-video from the recolor scenes' first frames
     "wan_i2v_tiny": (
         1,
