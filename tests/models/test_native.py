@@ -17,8 +17,9 @@ CONDITIONING = {  # one batch of each family's conditioning fields
     "sd3": lambda: (torch.randn(B, 5, 4), torch.randn(B, 4)),
     "flux": lambda: (torch.randn(B, 5, 4), torch.randn(B, 4)),
     "qwen_image": lambda: (torch.randn(B, 5, 4), torch.ones(B, 5, dtype=torch.long)),
+    "wan": lambda: (torch.randn(B, 5, 4), None),
 }
-LATENTS = {"sd3": (B, 4, 4, 4), "flux": (B, TOKENS, WIDTH), "qwen_image": (B, TOKENS, WIDTH)}
+LATENTS = {"sd3": (B, 4, 4, 4), "flux": (B, TOKENS, WIDTH), "qwen_image": (B, TOKENS, WIDTH), "wan": (B, 4, 2, 4, 4)}
 
 
 class RecordingTransformer(torch.nn.Module):
