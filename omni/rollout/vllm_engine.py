@@ -59,16 +59,20 @@ def check_config(cfg, family: ModelFamily) -> None:
         family.vllm_served or rollout.options.backend == VllmBackend.native,  # native: its own check
         f"rollout=vllm: model.family={family.name} is not yet served by the vLLM-Omni engine; use rollout=diffusers",
     )
-    if rollout.options.backend == VllmBackend.native and family.native is not None and family.native.extended:
+    if rollout.options.backend == VllmBackend.native:
         check_native_transformer(cfg.model, family)
     check_vllm_rollout(rollout, family.name)
 
 
 def check_native_transformer(model, family: ModelFamily) -> None:
     """backend=native: vLLM-Omni's transformer of the family computes the trained one's
-    velocity for this transformer config (else its rollouts are not the policy's)."""
+    velocity for this transformer config (else its rollouts are not the policy's). A family
+    the backend does not serve is left to `check_vllm_rollout`, which names that first."""
+    from omni.rollout.native_support import family_problem
     from omni.validation import transformer_config
 
+    if family_problem(family.name):
+        return
     problem = family.native.transformer_problem(transformer_config(model, family))
     alternative = "rollout.options.backend=vllm" if family.vllm_served else "rollout=diffusers"
     require(
