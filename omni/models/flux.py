@@ -139,7 +139,7 @@ class FluxNative(NativePipeline):
         embeds, pooled, _ = pipe.encode_prompt(
             prompt=list(prompts), prompt_2=None, max_sequence_length=max_sequence_length
         )
-        return pipe.family.conditioning(embeds, pooled).apply(lambda t: t.cpu())
+        return FluxPromptEmbeds(embeds, pooled).apply(lambda t: t.cpu())
 
 
 class FluxFamily(ModelFamily):

@@ -22,7 +22,8 @@ size (their tokens are batched together).
 The tiny pipeline is the tiny FLUX.1 one (`omni.models.flux`) assembled as a
 FluxKontextPipeline: the transformer class is the same, and FLUX.1-Kontext-dev's transformer
 has FLUX.1-dev's published architecture (its memory estimate reuses that config).
-vLLM-Omni does not serve it here (`vllm_served` False, no native pipeline).
+vLLM-Omni serves it through its own FluxKontextPipeline (`rollout.options.backend=native`,
+`FluxKontextNative`), not through our diffusers pipeline inside it (`vllm_served` False).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ import torch
 
 from omni.data.edits import open_sources
 from omni.models.base import vae_encode
-from omni.models.flux import FluxFamily, FluxPromptEmbeds, build_tiny_flux_pipeline, image_ids
-from omni.models.packing import pack
+from omni.models.flux import FluxFamily, FluxNative, FluxPromptEmbeds, build_tiny_flux_pipeline, image_ids
+from omni.models.packing import pack, unpack
 from omni.models.tiny_parts import cached_checkpoint, save_pipeline
 
 # Bump when the tiny architecture changes, so stale caches are not reused.
@@ -82,6 +83,41 @@ class FluxKontextConditioning(FluxPromptEmbeds):
     source: torch.Tensor
 
 
+class FluxKontextNative(FluxNative):
+    """vLLM-Omni's FluxKontextPipeline under `rollout.options.backend=native`: FLUX's facts,
+    and the source, which each request carries (`multi_modal_data`) and vLLM-Omni's pipeline
+    sizes, encodes and packs as `FluxKontextFamily` does (its own size rounded down, posterior
+    mode, reference ids with first coordinate 1, the schedule's shift on the latents' tokens).
+    It samples one request per `forward` (no `supports_request_batch`: the engine starts it
+    with `max_num_seqs` 1).
+    The conditioning's source is the packed `image_latents` its loop was given, unpacked on
+    the grid of the reference ids (a non-square source keeps its shape)."""
+
+    pipeline = "vllm_omni.diffusion.models.flux.pipeline_flux_kontext.FluxKontextPipeline"
+    # its loop steps the scheduler itself: no `prepare_timesteps`
+    hooks = ("diffuse", "forward", "scheduler_step", "load_weights", "encode_prompt")
+    cond_arguments = ("prompt_embeds", "pooled_prompt_embeds", "image_latents", "latent_ids")
+    post_process = "takes_tensor"  # its post-process takes an image tensor only
+
+    def forward_arguments(self, options) -> dict:
+        """Its forward pads the text to its argument's length (512 by default), not the request's."""
+        return {"max_sequence_length": options.max_sequence_length}
+
+    def conditioning(self, family, given, max_sequence_length: int):
+        ids = given["latent_ids"]
+        reference = ids[ids[:, 0] == REFERENCE_INDEX]
+        grid = (int(reference[:, 1].max()) + 1, int(reference[:, 2].max()) + 1)
+        source = unpack(given["image_latents"], grid).float()
+        return family.conditioning(given["prompt_embeds"], given["pooled_prompt_embeds"], source)
+
+    @torch.no_grad()
+    def encode_prompts(self, pipe, prompts, guidance_scale: float, max_sequence_length: int):
+        """FLUX's text embeddings from vLLM-Omni's encoders, and the sources' latents from its VAE."""
+        text = super().encode_prompts(pipe, prompts, guidance_scale, max_sequence_length)
+        sources = pipe.family.encode_sources(pipe, prompts, "cpu")
+        return pipe.family.conditioning(text.embeds, text.pooled, sources)
+
+
 class FluxKontextFamily(FluxFamily):
     name = "flux_kontext"
     pipeline_class = "FluxKontextPipeline"
@@ -89,7 +125,7 @@ class FluxKontextFamily(FluxFamily):
     edit = True
     max_source_images = 1
     vllm_served = False
-    native = None
+    native = FluxKontextNative()
     # FLUX.1-Kontext-dev's transformer/config.json has FLUX.1-dev's architecture.
     published_configs = {"flux.1-kontext-dev": "flux.1-dev-transformer.json"}
 
@@ -120,13 +156,19 @@ class FluxKontextFamily(FluxFamily):
     ) -> FluxKontextConditioning:
         """FLUX's text embeddings and each prompt's source latents; the sources are read first,
         so a prompt without one fails (naming its origin) before any encoder runs."""
-        sources = [self._source(prompt) for prompt in prompts]
-        latents = [self.encode_source(pipe, image, device) for image in sources]
-        if len({tuple(s.shape) for s in latents}) > 1:
-            sizes = ", ".join(f"{p.origin or str(p)[:40]}: {tuple(s.shape[-2:])}" for p, s in zip(prompts, latents))
-            raise ValueError(f"FLUX.1 Kontext batches sources of one size only; latent sizes {sizes}")
+        sources = self.encode_sources(pipe, prompts, device)
         text = super().encode_prompts(pipe, prompts, guidance_scale, max_sequence_length, device)
-        return FluxKontextConditioning(text.embeds, text.pooled, torch.cat(latents).to(device))
+        return FluxKontextConditioning(text.embeds, text.pooled, sources)
+
+    def encode_sources(self, pipe, prompts, device) -> torch.Tensor:
+        """Each prompt's source latents, (B, C, h, w) on `device`; sources of one batch share a size."""
+        latents = [self.encode_source(pipe, self._source(prompt), device) for prompt in prompts]
+        if len({tuple(s.shape) for s in latents}) > 1:
+            sizes = ", ".join(
+                f"{getattr(p, 'origin', '') or str(p)[:40]}: {tuple(s.shape[-2:])}" for p, s in zip(prompts, latents)
+            )
+            raise ValueError(f"FLUX.1 Kontext batches sources of one size only; latent sizes {sizes}")
+        return torch.cat(latents).to(device)
 
     def encode_source(self, pipe, image, device) -> torch.Tensor:
         """One PIL source -> its VAE latents (1, C, h, w), fp32 on the CPU, as the pipeline

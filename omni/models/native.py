@@ -21,8 +21,11 @@ family. Its facts:
   `encode_prompts`, the family's conditioning from vLLM-Omni's own text encoders;
 - `noise`: the step noise's layout (a packed family draws it unpacked and packs it, as its
   initial latent), so the scheduler draws what the in-process sampler draws;
-- `post_processes_images`: vLLM-Omni's post-process of the family converts images even with
-  output_type latent;
+- `post_process`: what vLLM-Omni's post-process of the family does with the output even
+  with output_type latent (`omni.rollout.vllm_protocol`: passes it, converts the payload's
+  image, or takes an image tensor only), which decides how the answer is laid out;
+- `forward_arguments`: what vLLM-Omni's `forward` of the family takes as arguments instead of
+  reading it from the request (FLUX.1 Kontext's text length);
 - `prepare`: what vLLM-Omni's pipeline needs changed before our scheduler takes its place
   (Wan's builds its own UniPC solver; ours steps the checkpoint's Euler flow).
 
@@ -76,7 +79,7 @@ class NativePipeline:
     # ((plain root parameter, vLLM-Omni's full name), ...)
     renamed_parameters: Tuple[Tuple[str, str], ...] = ()
     cond_arguments: Tuple[str, ...] = ()
-    post_processes_images: bool = False
+    post_process: str = "passes"  # an `omni.rollout.vllm_protocol.POST_PROCESSES`
     noise = staticmethod(unpacked_step_noise)
 
     def transformer_problem(self, config: dict) -> Optional[str]:
@@ -89,6 +92,11 @@ class NativePipeline:
         """Called on vLLM-Omni's pipeline at start-up, before `FlowGRPOScheduler` is built from
         `pipe.scheduler.config`: whatever the pipeline needs for that scheduler to be the
         family's (nothing, for a pipeline that loads the checkpoint's scheduler)."""
+
+    def forward_arguments(self, options) -> Dict[str, Any]:
+        """Keyword arguments for vLLM-Omni's `forward` of the family, from the rollout's
+        `SamplingOptions`: what it does not read from the request's sampling params."""
+        return {}
 
     def fused_module(self, plain: str) -> Optional[Tuple[str, str]]:
         """(vLLM-Omni's fused module path, shard) of a plain module path whose projection is

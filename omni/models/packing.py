@@ -6,7 +6,7 @@ tokens)."""
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -19,12 +19,14 @@ def pack(latents: torch.Tensor) -> torch.Tensor:
     return patches.reshape(b, (h // 2) * (w // 2), c * 4)
 
 
-def unpack(tokens: torch.Tensor) -> torch.Tensor:
-    """The inverse of `pack` for square images."""
+def unpack(tokens: torch.Tensor, grid: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """The inverse of `pack`: `grid` is the tokens' (rows, columns), square when not given."""
     b, n, width = tokens.shape
-    side = math.isqrt(n)
-    patches = tokens.reshape(b, side, side, width // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return patches.reshape(b, width // 4, 2 * side, 2 * side)
+    rows, cols = grid or (math.isqrt(n), math.isqrt(n))
+    if rows * cols != n:
+        raise ValueError(f"{n} tokens do not fill a grid of {rows} x {cols}")
+    patches = tokens.reshape(b, rows, cols, width // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return patches.reshape(b, width // 4, 2 * rows, 2 * cols)
 
 
 def packed_noise(pipe, generators: Sequence[torch.Generator], resolution: int) -> torch.Tensor:

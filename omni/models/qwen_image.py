@@ -280,7 +280,7 @@ class QwenImageNative(NativePipeline):
     renamed = (("to_out.0", "to_out"),)
     cond_arguments = ("prompt_embeds", "prompt_embeds_mask", "negative_prompt_embeds", "negative_prompt_embeds_mask")
     noise = staticmethod(packed_step_noise)
-    post_processes_images = True  # its post-process makes PIL images of the payload
+    post_process = "converts_payload"  # its post-process makes PIL images of the payload
 
     def timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
         return sigmas * 1000 / 1000  # the scheduler's timestep, divided as the pipeline does

@@ -29,10 +29,14 @@ Qwen2.5-VL's published settings. transformers builds `Qwen2VLProcessor` only wit
 processor, which needs torchvision; the pipeline passes images only, so the tiny checkpoint
 saves `ImageQwen2VLProcessor` (this module's, the same processor without the video part). A
 real checkpoint names `Qwen2VLProcessor` and loads where torchvision is installed.
+
+`rollout.options.backend=native` runs vLLM-Omni's own QwenImageEditPlusPipeline
+(`QwenImageEditPlusNative`): it sizes, encodes and conditions on the sources as above.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -42,6 +46,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from omni.atomic import write_directory
 from omni.data.edits import open_sources
 from omni.models.base import Conditioning
 from omni.models.packing import pack
@@ -50,16 +55,17 @@ from omni.models.qwen_image import (
     SCHEDULER,
     TINY_TRANSFORMER,
     QwenImageFamily,
+    QwenImageNative,
     pad_to,
     qwen_text_encoder,
     qwen_tokenizer,
     qwen_vae,
     trim,
 )
-from omni.models.tiny_parts import cached_checkpoint, save_pipeline
+from omni.models.tiny_parts import cached_checkpoint
 
 # Bump when the tiny architecture changes, so stale caches are not reused.
-TINY_BUILDER_VERSION = 1
+TINY_BUILDER_VERSION = 2
 
 # The words and punctuation pieces of QwenImageEditPlusPipeline's chat template, each one token
 # of the tiny tokenizer: its system part is then 64 tokens, the count the pipeline drops.
@@ -142,8 +148,16 @@ def tiny_qwen_image_edit_plus_path(cache_dir: str | os.PathLike, seed: int = 0) 
         "qwen-image-edit-plus-tiny",
         TINY_BUILDER_VERSION,
         seed,
-        lambda path: save_pipeline(build_tiny_qwen_image_edit_plus_pipeline(seed), path),
+        lambda path: write_directory(Path(path), lambda tmp: _save_tiny(seed, tmp)),
     )
+
+
+def _save_tiny(seed: int, directory: Path) -> None:
+    """The tiny pipeline, and beside its processor the video-processor settings a published
+    checkpoint's processor folder has: vLLM-Omni loads it as a full `Qwen2VLProcessor`."""
+    build_tiny_qwen_image_edit_plus_pipeline(seed).save_pretrained(directory, safe_serialization=True)
+    video = {"video_processor_type": "Qwen2VLVideoProcessor", **IMAGE_PROCESSOR}
+    (directory / "processor" / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
 
 
 # ----------------------------------------------------------------- conditioning
@@ -203,7 +217,8 @@ def encode_edit(pipe, prompt: str, negative: bool, device) -> QwenEditConditioni
     conditions, sources, grids = encode_sources(pipe, images, device)
 
     def encoded(text):  # the hidden states and a mask (the pipeline's is None when all are real)
-        embeds, mask = pipe.encode_prompt(prompt=text, image=conditions, device=device)
+        # on the pipeline's own device: vLLM-Omni's pipeline (the native backend) takes no `device`
+        embeds, mask = pipe.encode_prompt(prompt=text, image=conditions)
         return pad_to(embeds, mask, embeds.shape[1])
 
     embeds, mask = encoded([str(prompt)])
@@ -238,13 +253,47 @@ def edit_velocity(transformer, latents, timestep, embeds, mask, sources, grids) 
     return torch.cat(parts)[torch.argsort(torch.tensor(order, device=latents.device))]
 
 
+class QwenImageEditPlusNative(QwenImageNative):
+    """vLLM-Omni's QwenImageEditPlusPipeline under `rollout.options.backend=native`: Qwen-Image's
+    facts (true CFG on " " with norm rescale, fused and renamed projections, the timestep), and
+    the sources, which each request carries (`multi_modal_data`): vLLM-Omni's pre-process sizes
+    them to the pipeline's two fixed areas as `encode_sources` does, its text encoder sees the
+    condition-size copies, its VAE the others. It samples one request per `forward` (no
+    `supports_request_batch`: the engine starts it with `max_num_seqs` 1) and post-processes an
+    image tensor only. The conditioning is what its loop was given: the embeddings and masks as
+    long as the prompt is (its vision tokens included, as the family keeps them), the packed
+    source tokens (`image_latents`) and their grids (`img_shapes` after the output's)."""
+
+    pipeline = "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_edit_plus.QwenImageEditPlusPipeline"
+    cond_arguments = (
+        "prompt_embeds",
+        "prompt_embeds_mask",
+        "negative_prompt_embeds",
+        "negative_prompt_embeds_mask",
+        "image_latents",
+        "img_shapes",
+    )
+    post_process = "takes_tensor"  # its post-process takes an image tensor only
+
+    def conditioning(self, family, given, max_sequence_length: int):
+        embeds, mask, neg, neg_mask, sources, shapes = given.values()
+        grids = torch.tensor([[(h, w) for _, h, w in row[1:]] for row in shapes], dtype=torch.long)
+        negatives = pad_to(neg, neg_mask, neg.shape[1]) if neg is not None else (None, None)
+        return family.conditioning(*pad_to(embeds, mask, embeds.shape[1]), sources.float(), grids, *negatives)
+
+    def encode_prompts(self, pipe, prompts, guidance_scale: float, max_sequence_length: int):
+        """The family's own encoding, run on vLLM-Omni's encoders and VAE (each prompt's sources read)."""
+        cond = pipe.family.encode_prompts(pipe, prompts, guidance_scale, max_sequence_length, pipe.device)
+        return cond.apply(lambda t: t.cpu())
+
+
 class QwenImageEditPlusFamily(QwenImageFamily):
     name = "qwen_image_edit_plus"
     pipeline_class = "QwenImageEditPlusPipeline"
     conditioning = QwenEditConditioning
     edit = True
     max_source_images = 3  # the pipeline's documented range, and what 2509 was trained on
-    native = None  # vLLM-Omni's edit pipeline is not verified against ours
+    native = QwenImageEditPlusNative()
     # Qwen-Image-Edit-2509's transformer is Qwen-Image's architecture (the same config).
     published_configs = {"qwen-image-edit-2509": "qwen-image-transformer.json"}
 

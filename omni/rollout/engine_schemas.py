@@ -22,6 +22,10 @@ class GenerateMeta(BaseModel):
     prompts: List[str]
     seeds: List[int] = Field(description="one per prompt: the same seed gives the same sample")
     options: SamplingOptions
+    sources: List[List[str]] = Field(
+        default_factory=list,
+        description="per prompt, an edit's source image files (paths the engine reads); none for text to image",
+    )
 
 
 class UpdateWeightsMeta(BaseModel):
@@ -43,12 +47,16 @@ class SyncAnswer(BaseModel):
 
 
 class EncodePromptsMeta(BaseModel):
-    """POST /encode_prompts: the text conditioning of prompts; the answer's tensors are the
+    """POST /encode_prompts: the conditioning of prompts (an edit's also of its sources); the answer's tensors are the
     family's conditioning (`Conditioning.tensors`)."""
 
     prompts: List[str]
     guidance_scale: float
     max_sequence_length: int
+    sources: List[List[str]] = Field(
+        default_factory=list,
+        description="per prompt, an edit's source image files (paths the engine reads); none for text to image",
+    )
 
 
 class EncodeImagesMeta(BaseModel):

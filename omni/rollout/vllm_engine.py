@@ -35,7 +35,7 @@ from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.engine_client import EngineClient, EngineUnreachable, retry_policy
 from omni.rollout.transport import pack, write_base_weights, write_lora_adapter
 from omni.rollout.vllm_options import VllmBackend, VllmOptions, VllmRolloutConfig
-from omni.rollout.vllm_protocol import batch_from_tensors
+from omni.rollout.vllm_protocol import batch_from_tensors, prompt_sources
 
 logger = logging.getLogger(__name__)
 DEFAULT_ENV = "~/.cache/omni-recipes/vllm-engine"
@@ -55,13 +55,25 @@ def check_config(cfg, family: ModelFamily) -> None:
     """rollout=vllm's rules, at validation: a family it serves (backend=native checks its own),
     an engine to start or attach to."""
     rollout = cfg.rollout
-    require(
-        family.vllm_served or rollout.options.backend == VllmBackend.native,  # native: its own check
-        f"rollout=vllm: model.family={family.name} is not yet served by the vLLM-Omni engine; use rollout=diffusers",
-    )
-    if rollout.options.backend == VllmBackend.native:
+    if rollout.options.backend == VllmBackend.native:  # the family's own check
         check_native_transformer(cfg.model, family)
+    else:
+        require(family.vllm_served, not_served(family, rollout.options.backend))
     check_vllm_rollout(rollout, family.name)
+
+
+def not_served(family: ModelFamily, backend: VllmBackend) -> str:
+    """Why `backend` (vllm or local: our pipeline inside the engine) cannot serve `family`,
+    naming the native backend where vLLM-Omni's own pipeline of the family can."""
+    from omni.rollout.native_support import family_problem
+
+    native = (
+        "" if family_problem(family.name) else "rollout.options.backend=native (vLLM-Omni's own pipeline of it) or "
+    )
+    return (
+        f"rollout=vllm: model.family={family.name} is not yet served by the vLLM-Omni engine with "
+        f"rollout.options.backend={backend.value}; use {native}rollout=diffusers"
+    )
 
 
 def check_native_transformer(model, family: ModelFamily) -> None:
@@ -292,12 +304,22 @@ class VllmEngine:
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if options.tree:
             raise ValueError("the vLLM-Omni engine samples no trees (TreeGRPO): use rollout=diffusers")
-        meta = {"prompts": list(prompts), "seeds": [int(s) for s in seeds], "options": dataclasses.asdict(options)}
+        meta = {
+            "prompts": [str(p) for p in prompts],
+            "sources": prompt_sources(prompts),
+            "seeds": [int(s) for s in seeds],
+            "options": dataclasses.asdict(options),
+        }
         tensors, _ = self._post("generate", pack(meta=meta))
         return batch_from_tensors(prompts, tensors, options, self.conditioning)
 
     def encode_prompts(self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int) -> Conditioning:
-        meta = {"prompts": list(prompts), "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length}
+        meta = {
+            "prompts": [str(p) for p in prompts],
+            "sources": prompt_sources(prompts),
+            "guidance_scale": guidance_scale,
+            "max_sequence_length": max_sequence_length,
+        }
         tensors, _ = self._post("encode_prompts", pack(meta=meta))
         return self.conditioning.from_tensors(tensors)
 

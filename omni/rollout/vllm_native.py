@@ -31,6 +31,14 @@ none a copy of their code:
   stay packed, as our families keep them (vLLM-Omni packs them the same way, and our
   scheduler draws its noise unpacked and packs it, as the in-process sampler).
 
+An edit family's requests carry their sources (`multi_modal_data`, opened by
+`omni.rollout.vllm_protocol.request_inputs`); vLLM-Omni's pipeline encodes them, and the
+reference latents its loop is given join the conditioning (FLUX.1 Kontext's `image_latents`;
+Qwen-Image-Edit-Plus's also with their grids, `img_shapes`),
+so the actor re-scores with exactly what the engine conditioned on. Where vLLM-Omni's
+`forward` takes a setting as an argument rather than from the request (Kontext's text
+length), the family's `native.forward_arguments` passes it.
+
 FLUX.1-dev's distilled guidance needs nothing of ours: vLLM-Omni's loop gives the
 transformer the same fp32 guidance vector (`guidance_scale` per image) the actor does, and
 no negative prompt means no true CFG pass. Wan's CFG is vLLM-Omni's loop too (v_neg +
@@ -155,7 +163,8 @@ class NativeRollout:
             self.weights_sources = [s for s in self.weights_sources if s.prefix != TRANSFORMER_PREFIX]
         self.transformer.load_weights(())  # SD3's declares its fused projections here
         declare_fused_projections(self.transformer, self.family_name)
-        if self.device.type == "cpu":
+        # vLLM-Omni's pipelines name their device `device`, its FluxKontextPipeline `_execution_device`
+        if (getattr(self, "device", None) or self._execution_device).type == "cpu":
             keep_linear_weights(self.transformer)
         self.native.prepare(self)
         self.scheduler = FlowGRPOScheduler.from_config(self.scheduler.config)
@@ -208,14 +217,14 @@ class NativeRollout:
             part = req if len(rows) == len(prompts) else DiffusionRequestBatch(requests=[req.requests[i] for i in rows])
             batch = self._rollout(part, [prompts[i] for i in rows], [_seed(params[i]) for i in rows], options)
             for j, i in enumerate(rows):
-                outputs[i] = DiffusionOutput(**output_fields(batch, j, self.native.post_processes_images))
+                outputs[i] = DiffusionOutput(**output_fields(batch, j, self.native.post_process))
         return outputs
 
     @torch.no_grad()
     def _rollout(self, req, prompts: List[str], seeds: List[int], options: SamplingOptions) -> RolloutBatch:
         self.scheduler.start_rollout(seeds, options, self.native.noise)
         try:
-            super().forward(req)
+            super().forward(req, **self.native.forward_arguments(options))
             final = self.scheduler.final_latents()
             trajectory = self.scheduler.finish_rollout()
         finally:

@@ -10,7 +10,7 @@ from omni.config.rollout import Engine, RolloutConfig
 
 class VllmBackend(str, Enum):
     vllm = "vllm"  # vLLM-Omni serves our pipeline
-    native = "native"  # vLLM-Omni's own pipeline of the family, with our SDE scheduler (SD3, FLUX, Qwen-Image)
+    native = "native"  # vLLM-Omni's own pipeline of the family, with our SDE scheduler (omni.rollout.native_support)
     local = "local"  # the same pipeline in the engine process without vLLM-Omni (tests, debugging)
 
 

@@ -3,7 +3,8 @@
 The engine process submits one vLLM-Omni request per image; vLLM-Omni co-batches
 compatible requests (up to `max_num_seqs`) into one call of our pipeline's `forward`.
 
-- request: the prompt as an `OmniTextPrompt` dict; `OmniDiffusionSamplingParams` fields
+- request: the prompt as an `OmniTextPrompt` dict (an edit's source images, opened as RGB,
+  in its `multi_modal_data`, where vLLM-Omni's edit pipelines read them); `OmniDiffusionSamplingParams` fields
   for steps, size, frames (1 for an image), guidance, text length and the image's seed; our
   sampler's options (noise level, SDE window and step, ODE solver) under
   `extra_args["omni_rollout"]`, the params' free-form slot.
@@ -13,7 +14,8 @@ compatible requests (up to `max_num_seqs`) into one call of our pipeline's `forw
   0.30 replaced `custom_output` by metadata groups). A pipeline whose vLLM-Omni post-process
   converts images whatever the output type (Qwen-Image's makes PIL images of them) also
   puts the fp32 image in that group, which the post-process passes through untouched, and
-  the reader takes it from there.
+  the reader takes it from there. A post-process that takes an image tensor only (FLUX.1
+  Kontext's) gets one; the group then rides with the trajectory's latents, in a dict.
 
 `emulate_request_output` mirrors what vLLM-Omni's output formatter makes of those fields,
 for the engine's local backend; the contract tests check it against the real formatter.
@@ -26,11 +28,18 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
+from omni.data.prompts import Prompt, source_images
 from omni.models.base import Conditioning
 from omni.rollout.base import RolloutBatch, SamplingOptions
 
 ROLLOUT_KEY = "omni_rollout"
 IMAGE_KEY = "image"  # the fp32 image in the metadata group, where a post-process would convert it
+LATENTS_KEY = "latents"  # the trajectory's latents, where the metadata group rides beside them
+# What vLLM-Omni's post-process of a family does with a pipeline's output (output_type latent):
+PASSES = "passes"  # returns the envelope untouched (SD3, FLUX, Wan; our own pipeline)
+CONVERTS_PAYLOAD = "converts_payload"  # makes images of the payload's, keeps the metadata (Qwen-Image)
+TAKES_TENSOR = "takes_tensor"  # takes an image tensor only (FLUX.1 Kontext)
+POST_PROCESSES = (PASSES, CONVERTS_PAYLOAD, TAKES_TENSOR)
 # What a request without our options (vLLM-Omni's start-up warm-up) is sampled with.
 DEFAULT_RESOLUTION = 512
 DEFAULT_MAX_SEQUENCE_LENGTH = 256
@@ -60,7 +69,31 @@ def request_inputs(prompt: str, seed: int, options: SamplingOptions) -> Tuple[Di
             }
         },
     )
-    return {"prompt": prompt}, sampling
+    text: Dict[str, Any] = {"prompt": str(prompt)}
+    if source_images(prompt):
+        from omni.data.edits import open_sources
+
+        text["multi_modal_data"] = {"image": open_sources(prompt)}
+    return text, sampling
+
+
+def prompt_sources(prompts: Sequence[str]) -> List[List[str]]:
+    """Each prompt's source image files (an edit's; [] for text to image), as they travel
+    beside the prompts' texts to the engine, which opens them: a path both sides read."""
+    return [list(source_images(p)) for p in prompts]
+
+
+def with_sources(texts: Sequence[str], sources: Sequence[Sequence[str]]) -> List[str]:
+    """The engine's side of `prompt_sources`: prompts that carry their source images again
+    (no sources: the texts as they are)."""
+    if not any(sources):
+        return list(texts)
+    if len(sources) != len(texts):
+        raise ValueError(f"{len(texts)} prompts but {len(sources)} lists of source images")
+    return [
+        Prompt(text, images=images, origin=f"request prompt {i}")
+        for i, (text, images) in enumerate(zip(texts, sources))
+    ]
 
 
 def prompt_text(prompt) -> str:
@@ -94,18 +127,27 @@ def group_by_options(prompts: Sequence, params_list: Sequence) -> List[Tuple[Sam
     return list(groups.values())
 
 
-def output_fields(batch: RolloutBatch, row: int, post_processed: bool = False) -> Dict[str, Any]:
-    """`DiffusionOutput` keyword arguments for image `row` of a sampled batch. `post_processed`:
-    vLLM-Omni's image post-process converts the payload (it takes a batch in [-1, 1]), so
-    the image also rides in the metadata group."""
+def output_fields(batch: RolloutBatch, row: int, post_process: str = PASSES) -> Dict[str, Any]:
+    """`DiffusionOutput` keyword arguments for image `row` of a sampled batch, for a family
+    whose vLLM-Omni post-process treats the output as `post_process` says (`PASSES`,
+    `CONVERTS_PAYLOAD`, `TAKES_TENSOR`). Where it converts the image (it takes a batch in
+    [-1, 1]), the exact image also rides in the metadata group; where it takes a tensor
+    only, the metadata group rides with the trajectory's latents, a dict vLLM-Omni passes
+    through."""
+    if post_process not in POST_PROCESSES:
+        raise ValueError(f"post_process={post_process!r}: one of {POST_PROCESSES}")
     cond = {name: t[row] for name, t in batch.cond.tensors().items()}
-    image = batch.images[row]
-    if post_processed:
+    image, latents = batch.images[row], batch.latents[row]
+    if post_process != PASSES:
         cond[IMAGE_KEY] = image
         image = image[None] * 2 - 1
+    if post_process == TAKES_TENSOR:
+        output, latents = image, {LATENTS_KEY: latents, ROLLOUT_KEY: cond}
+    else:
+        output = {"payload": {"image": image}, "metadata": {ROLLOUT_KEY: cond}}
     return dict(
-        output={"payload": {"image": image}, "metadata": {ROLLOUT_KEY: cond}},
-        trajectory_latents=batch.latents[row],
+        output=output,
+        trajectory_latents=latents,
         trajectory_log_probs=batch.log_probs[row],
         trajectory_timesteps=batch.sigmas,
     )
@@ -113,15 +155,16 @@ def output_fields(batch: RolloutBatch, row: int, post_processed: bool = False) -
 
 def emulate_request_output(fields: Dict[str, Any]) -> SimpleNamespace:
     """The `OmniRequestOutput` attributes vLLM-Omni's formatter derives from `fields` (an
-    envelope output passed through an identity post-process)."""
-    envelope = fields["output"]
+    output passed through an identity post-process)."""
+    output = fields["output"]
+    envelope = isinstance(output, dict)
     return SimpleNamespace(
         error=None,
-        images=[envelope["payload"]["image"]],
+        images=[output["payload"]["image"] if envelope else output],
         trajectory_latents=fields["trajectory_latents"],
         trajectory_log_probs=fields["trajectory_log_probs"],
         trajectory_timesteps=fields["trajectory_timesteps"],
-        multimodal_output={"metadata": envelope["metadata"]},
+        multimodal_output={"metadata": output["metadata"]} if envelope else {},
     )
 
 
@@ -139,6 +182,9 @@ def result_from_output(output) -> Dict[str, torch.Tensor]:
     if getattr(output, "error", None):
         raise RuntimeError(f"vLLM-Omni request failed: {output.error}")
     metadata = (output.multimodal_output or {}).get("metadata", {})
+    latents = output.trajectory_latents
+    if isinstance(latents, dict) and ROLLOUT_KEY in latents:  # beside a tensor-only post-process
+        metadata, latents = latents, latents[LATENTS_KEY]
     if ROLLOUT_KEY not in metadata or not output.images:
         raise RuntimeError(
             "vLLM-Omni's answer lacks the rollout payload: is the engine running "
@@ -147,7 +193,7 @@ def result_from_output(output) -> Dict[str, torch.Tensor]:
     result = {name: t for name, t in metadata[ROLLOUT_KEY].items()}
     result.update(
         image=result.pop(IMAGE_KEY) if IMAGE_KEY in result else _image_tensor(output.images[0]),
-        latents=output.trajectory_latents,
+        latents=latents,
         log_probs=output.trajectory_log_probs,
         sigmas=output.trajectory_timesteps,
     )

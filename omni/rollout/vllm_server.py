@@ -11,7 +11,7 @@ API (bodies are `omni.rollout.transport.pack` blobs, whose JSON each route types
     GET  /health          {"ok", "has_base", "model", "backend"}
     POST /generate        prompts, seeds, options -> images, latents, log_probs, sigmas, embeddings
     POST /update_weights  a weight directory's path -> loaded into the pipeline's transformer
-    POST /encode_prompts  prompts -> text embeddings;  POST /encode_images  images -> latents
+    POST /encode_prompts  prompts -> their conditioning;  POST /encode_images  images -> latents
     POST /shutdown
 
 Backends: `vllm` (AsyncOmni with `FlowGRPOPipeline` and our worker extension, one
@@ -47,8 +47,10 @@ from omni.rollout.vllm_protocol import (
     batch_to_tensors,
     collate_results,
     emulate_request_output,
+    prompt_sources,
     request_inputs,
     result_from_output,
+    with_sources,
 )
 from omni.serving import OneAtATime, import_server
 
@@ -109,6 +111,19 @@ def pipeline_class(backend: str, family: str) -> str:
     return native_pipeline_class(family)
 
 
+def max_num_seqs(args) -> int:
+    """Requests per forward: `--max-num-seqs`, or 1 where vLLM-Omni's pipeline of the family
+    samples one request at a time (no `supports_request_batch`, e.g. its FluxKontextPipeline)."""
+    if args.backend != "native":
+        return args.max_num_seqs
+    from omni.rollout.vllm_native import native_pipeline
+
+    if getattr(native_pipeline(args.family), "supports_request_batch", False):
+        return args.max_num_seqs
+    logger.info("vLLM-Omni's pipeline of %s takes one request per forward: max_num_seqs 1", args.family)
+    return 1
+
+
 def engine_kwargs(args) -> Dict[str, Any]:
     """AsyncOmni's keyword arguments: our pipeline class and worker extension, and the
     settings the pipeline relies on; `--engine-args` adds to or overrides the rest."""
@@ -123,7 +138,7 @@ def engine_kwargs(args) -> Dict[str, Any]:
         },
         worker_extension_cls=WORKER_EXTENSION_CLASS,
         enforce_eager=True,  # PEFT adapters are injected after start-up: no captured graphs
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=max_num_seqs(args),
         dtype=args.dtype,
         output_type="latent",  # the family's post-process then passes our payload through untouched
     )
@@ -152,6 +167,8 @@ class VllmOmniBackend:
         result = self._wait(self.omni.collective_rpc(method, args=args))
         while isinstance(result, list):  # per stage, then per worker
             result = result[0]
+        if isinstance(result, dict) and result.get("supported") is False:  # how vLLM-Omni reports a failed RPC
+            raise RuntimeError(f"vLLM-Omni's worker failed {method}: {result.get('error')}")
         return result
 
     def has_base(self) -> bool:
@@ -201,7 +218,9 @@ class VllmOmniBackend:
         return answer
 
     def encode_prompts(self, prompts, guidance_scale, max_sequence_length) -> Conditioning:
-        return self.conditioning(**self._rpc("omni_encode_prompts", list(prompts), guidance_scale, max_sequence_length))
+        texts = [str(p) for p in prompts]  # the sources travel apart, as plain lists
+        tensors = self._rpc("omni_encode_prompts", texts, guidance_scale, max_sequence_length, prompt_sources(prompts))
+        return self.conditioning(**tensors)
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         return self._rpc("omni_encode_images", images)
@@ -258,13 +277,13 @@ def handle(backend, route: str, tensors: Dict[str, torch.Tensor], meta: Dict[str
         raise KeyError(f"unknown route /{route}")
     request = REQUESTS[route].model_validate(meta)
     if route == "generate":
-        return pack(batch_to_tensors(backend.generate(request.prompts, request.seeds, request.options)))
+        prompts = with_sources(request.prompts, request.sources)
+        return pack(batch_to_tensors(backend.generate(prompts, request.seeds, request.options)))
     if route == "update_weights":
         return pack(meta=backend.sync_weights(request.path))
     if route == "encode_prompts":
-        return pack(
-            backend.encode_prompts(request.prompts, request.guidance_scale, request.max_sequence_length).tensors()
-        )
+        prompts = with_sources(request.prompts, request.sources)
+        return pack(backend.encode_prompts(prompts, request.guidance_scale, request.max_sequence_length).tensors())
     if "images" not in tensors:
         raise ValueError("/encode_images: the body has no tensor 'images'")
     return pack({"latents": backend.encode_images(tensors["images"])})

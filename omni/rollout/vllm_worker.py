@@ -56,9 +56,13 @@ class OmniRolloutWorkerExtension(CustomPipelineWorkerExtension):
         return self._rollout_pipeline().has_base
 
     def omni_encode_prompts(
-        self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int
+        self, prompts: Sequence[str], guidance_scale: float, max_sequence_length: int, sources: Sequence = ()
     ) -> Dict[str, torch.Tensor]:
-        cond = self._rollout_pipeline().encode_prompts(list(prompts), guidance_scale, max_sequence_length)
+        """The prompts' conditioning; `sources`: each prompt's source image files (an edit's)."""
+        from omni.rollout.vllm_protocol import with_sources
+
+        prompts = with_sources(prompts, sources)
+        cond = self._rollout_pipeline().encode_prompts(prompts, guidance_scale, max_sequence_length)
         return cond.tensors()
 
     def omni_encode_images(self, images: torch.Tensor) -> torch.Tensor:

@@ -105,8 +105,11 @@ def test_validation_refuses_the_vllm_engine_naming_the_family(tmp_path):
     from omni.validation import validate
     from tests.conftest import compose_config
 
-    with pytest.raises(ConfigError, match="model.family=flux_kontext is not yet served by the vLLM-Omni engine"):
-        validate(compose_config(["model=flux_kontext_tiny", "rollout=vllm"], tmp_path))
+    with pytest.raises(
+        ConfigError, match="model.family=flux_kontext is not yet served by the vLLM-Omni engine"
+    ) as info:
+        validate(compose_config(["model=flux_kontext_tiny", "rollout=vllm", "data=recolor"], tmp_path))
+    assert "use rollout.options.backend=native (vLLM-Omni's own pipeline of it) or rollout=diffusers" in str(info.value)
 
 
 def test_an_sde_rollout_of_edits_is_rescored_by_the_actor(pipe, tmp_path):

@@ -52,7 +52,7 @@ def velocity(pipe, prompts, guidance=GUIDED, cond=None):
 
 def test_family_and_published_size():
     assert get_family("qwen_image_edit_plus") is FAMILY
-    assert FAMILY.edit and FAMILY.max_source_images == 3 and FAMILY.native is None and not FAMILY.vllm_served
+    assert FAMILY.edit and FAMILY.max_source_images == 3 and FAMILY.native.extended and not FAMILY.vllm_served
     # the same transformer as Qwen-Image, over three sources' tokens more
     config = {"num_layers": 60}
     assert FAMILY.sequence_length(config, 1024, 512) > QWEN_IMAGE.sequence_length(config, 1024, 512) + 3 * 4096
@@ -135,5 +135,6 @@ def test_rollout_vllm_is_refused_naming_the_family():
     from omni.validation import validate
     from tests.conftest import compose_config
 
-    with pytest.raises(ConfigError, match="model.family=qwen_image_edit_plus is not yet served"):
+    with pytest.raises(ConfigError, match="model.family=qwen_image_edit_plus is not yet served") as info:
         validate(compose_config(["model=qwen_image_edit_plus_tiny", "rollout=vllm"]))
+    assert "use rollout.options.backend=native (vLLM-Omni's own pipeline of it) or rollout=diffusers" in str(info.value)

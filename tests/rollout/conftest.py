@@ -1,6 +1,7 @@
 """Helpers shared by the rollout-engine tests: sampling options, random LoRA weights and
 the pipeline vLLM-Omni would build, on the tiny SD3 (the native backend's also on the tiny
-FLUX, Qwen-Image and a tiny Wan whose heads vLLM-Omni's rotary split takes)."""
+FLUX, FLUX.1 Kontext with edit prompts, Qwen-Image and a tiny Wan whose heads vLLM-Omni's
+rotary split takes)."""
 
 from __future__ import annotations
 
@@ -120,3 +121,56 @@ def qwen_engine(tiny_qwen_image_dir):
     return load_diffusers_engine(
         QWEN, tiny_qwen_image_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=True
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_kontext_dir(tiny_cache):
+    from omni.models.flux_kontext import tiny_flux_kontext_path
+
+    return tiny_flux_kontext_path(tiny_cache, seed=0)
+
+
+@pytest.fixture
+def kontext_engine(tiny_flux_kontext_dir):
+    """The in-process engine on the tiny FLUX.1 Kontext (the source's latents as reference tokens)."""
+    from omni.models.flux_kontext import FAMILY as KONTEXT
+    from omni.rollout.diffusers_engine import load_diffusers_engine
+
+    return load_diffusers_engine(
+        KONTEXT, tiny_flux_kontext_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=True
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image_edit_plus_dir(tiny_cache):
+    from omni.models.qwen_image_edit_plus import tiny_qwen_image_edit_plus_path
+
+    return tiny_qwen_image_edit_plus_path(tiny_cache, seed=0)
+
+
+@pytest.fixture
+def qwen_edit_engine(tiny_qwen_image_edit_plus_dir):
+    """The in-process engine on the tiny Qwen-Image-Edit-Plus (its sources at the pipeline's
+    own areas: vLLM-Omni's pre-process sizes them so)."""
+    from omni.models.qwen_image_edit_plus import FAMILY as QWEN_EDIT
+    from omni.rollout.diffusers_engine import load_diffusers_engine
+
+    return load_diffusers_engine(
+        QWEN_EDIT, tiny_qwen_image_edit_plus_dir, torch.device("cpu"), torch.float32, micro_batch_size=4, load_base=True
+    )
+
+
+def edit_prompts(texts, directory, size: int = 64):
+    """`texts` as edit prompts, each with a source image of its own (random pixels from its
+    index), `size` square, written to `directory`."""
+    from PIL import Image
+
+    from omni.data.prompts import Prompt
+
+    prompts = []
+    for i, text in enumerate(texts):
+        pixels = torch.randint(0, 256, (size, size, 3), generator=torch.Generator().manual_seed(i), dtype=torch.uint8)
+        path = directory / f"source{i}.png"
+        Image.fromarray(pixels.numpy()).save(path)
+        prompts.append(Prompt(text, images=[str(path)], origin=f"{path.name}"))
+    return prompts

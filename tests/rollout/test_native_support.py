@@ -16,7 +16,8 @@ from omni.rollout.native_support import (
 
 
 def test_the_served_families_are_those_that_state_their_facts():
-    assert native_families() == ["flux", "qwen_image", "sd3", "wan"]
+    assert native_families() == ["flux", "flux_kontext", "qwen_image", "qwen_image_edit_plus", "sd3", "wan"]
+    assert native_pipeline_class("flux_kontext") == "omni.rollout.vllm_native.NativeFluxKontextPipeline"
     assert native_pipeline_class("sd3") == "omni.rollout.vllm_native.NativeStableDiffusion3Pipeline"
     assert native_pipeline_class("qwen_image") == "omni.rollout.vllm_native.NativeQwenImagePipeline"
     assert all(family_problem(f) is None for f in native_families())

@@ -89,7 +89,7 @@ def test_native_backend_refuses_a_family_it_does_not_extend(tiny_cache, tmp_path
         "rollout.options.backend=native",
         f"model.family={cfg.model.family}",
         "vLLM-Omni has a Wan22Pipeline but omni-recipes does not extend it yet",
-        "supported: model.family in ['flux', 'qwen_image', 'sd3', 'wan']",
+        "supported: model.family in ['flux', 'flux_kontext', 'qwen_image', 'qwen_image_edit_plus', 'sd3', 'wan']",
         "vLLM-Omni 0.30.x",
     ):
         assert hint in message
@@ -113,14 +113,17 @@ def test_native_backend_needs_vllm_omni_in_the_engine_env(no_engine_env):
     assert "has no vllm_omni installed" in problem
 
 
-@pytest.mark.parametrize("model", ["flux_tiny", "qwen_image_tiny"])
+@pytest.mark.parametrize("model", ["flux_tiny", "qwen_image_tiny", "flux_kontext_tiny", "qwen_image_edit_plus_tiny"])
 def test_native_backend_takes_flux_and_qwen_image_on_to_the_engine_env_check(
     model, no_engine_env, tiny_cache, tmp_path
 ):
-    """FLUX and Qwen-Image have native pipelines (though the `vllm` backend does not serve
-    FLUX): what stops them here is the missing engine env, not their family."""
+    """FLUX, Qwen-Image and their edit families have native pipelines (though the `vllm`
+    backend serves neither FLUX nor the edit families): what stops them here is the missing
+    engine env, not their family."""
+    data = ["data=recolor"] if model in ("flux_kontext_tiny", "qwen_image_edit_plus_tiny") else []
     cfg = compose_config(
-        ["rollout=vllm", f"model={model}", "rollout.options.backend=native", f"model.cache_dir={tiny_cache}"], tmp_path
+        ["rollout=vllm", f"model={model}", "rollout.options.backend=native", f"model.cache_dir={tiny_cache}", *data],
+        tmp_path,
     )
     with pytest.raises(ConfigError) as info:
         validate(cfg)
@@ -239,7 +242,7 @@ def test_docs_describe_each_message_and_a_bad_one_is_refused_naming_the_field(st
 
     spec = httpx.get(f"{started_engine.url}/openapi.json").json()
     generate = spec["paths"]["/generate"]["post"]["requestBody"]["content"]["application/octet-stream"]
-    assert set(generate["x-omni-json-metadata"]["properties"]) == {"prompts", "seeds", "options"}
+    assert set(generate["x-omni-json-metadata"]["properties"]) == {"prompts", "sources", "seeds", "options"}
     sync = spec["paths"]["/update_weights"]["post"]["responses"]["200"]["content"]["application/octet-stream"]
     assert "has_base" in sync["x-omni-json-metadata"]["properties"]
     assert {"has_base", "model", "family", "backend"} <= set(

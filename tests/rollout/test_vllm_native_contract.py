@@ -16,6 +16,7 @@ pytest.importorskip(
 )
 
 from omni.distributed import free_port  # noqa: E402
+from omni.models import get_family  # noqa: E402
 from omni.models.flux import TINY_TRANSFORMER as FLUX_TINY  # noqa: E402
 from omni.models.flux import image_ids
 from omni.models.qwen_image import FAMILY as QWEN  # noqa: E402
@@ -263,12 +264,34 @@ def test_qwen_image_lora_adapters_are_renamed_for_its_to_out(tmp_path):
     )
 
 
-def test_qwen_image_answers_survive_its_post_process(tiny_qwen_image_dir):
+# family -> (vLLM-Omni's post-process getter, its pipeline class, the tiny checkpoint's fixture)
+POST_PROCESSED = {
+    "qwen_image": (
+        "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image.get_qwen_image_post_process_func",
+        "QwenImagePipeline",
+        "tiny_qwen_image_dir",
+    ),
+    "flux_kontext": (
+        "vllm_omni.diffusion.models.flux.pipeline_flux_kontext.get_flux_kontext_post_process_func",
+        "FluxKontextPipeline",
+        "tiny_flux_kontext_dir",
+    ),
+    "qwen_image_edit_plus": (
+        "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_edit_plus.get_qwen_image_edit_plus_post_process_func",
+        "QwenImageEditPlusPipeline",
+        "tiny_qwen_image_edit_plus_dir",
+    ),
+}
+
+
+@pytest.mark.parametrize("family_name", sorted(POST_PROCESSED))
+def test_answers_survive_the_familys_post_process(family_name, request):
     """vLLM-Omni's Qwen-Image post-process makes PIL images of the payload even with
-    output_type latent; through it and the real formatter, the reader still gets the exact
-    fp32 image (the metadata group's)."""
+    output_type latent, FLUX.1 Kontext's and Qwen-Image-Edit-Plus's take an image tensor only; through each and the
+    real formatter, the reader still gets the exact fp32 image and the conditioning."""
+    import importlib
+
     from vllm_omni.diffusion.data import DiffusionOutput
-    from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import get_qwen_image_post_process_func
     from vllm_omni.diffusion.output_formatter import format_diffusion_outputs, normalize_diffusion_postprocess_output
     from vllm_omni.diffusion.request import OmniDiffusionRequest
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
@@ -277,42 +300,56 @@ def test_qwen_image_answers_survive_its_post_process(tiny_qwen_image_dir):
     from omni.rollout.vllm_protocol import output_fields, request_inputs, result_from_output
     from tests.rollout.conftest import options
 
+    getter, class_name, model_dir = POST_PROCESSED[family_name]
+    family = get_family(family_name)
     opts = options()
     generator = torch.Generator().manual_seed(0)
-    cond = QWEN.conditioning(torch.randn(1, 16, 32, generator=generator), torch.ones(1, 16, dtype=torch.long))
+    given = {
+        "qwen_image": lambda: (torch.randn(1, 16, 32, generator=generator), torch.ones(1, 16, dtype=torch.long)),
+        "flux_kontext": lambda: (
+            torch.randn(1, 16, 32, generator=generator),
+            torch.randn(1, 32, generator=generator),
+            torch.randn(1, 16, 8, 8, generator=generator),
+        ),
+        "qwen_image_edit_plus": lambda: (
+            torch.randn(1, 16, 32, generator=generator),
+            torch.ones(1, 16, dtype=torch.long),
+            torch.randn(1, 64, 64, generator=generator),
+            torch.tensor([[(8, 8)]]),
+        ),
+    }[family_name]()
+    cond = family.conditioning(*given)
     latents, log_probs = torch.randn(1, 5, 16, 64, generator=generator), torch.randn(1, 4, generator=generator)
-    batch = RolloutBatch(
-        ["a cat"],
-        torch.rand(1, 3, 64, 64, generator=generator),
-        latents,
-        log_probs,
-        torch.linspace(1, 0, 5),
-        cond,
-        opts,
-    )
-    output = DiffusionOutput(**output_fields(batch, 0, post_processed=True))
-    post_process = get_qwen_image_post_process_func(
-        SimpleNamespace(output_type="latent", model=str(tiny_qwen_image_dir))
-    )
+    images = torch.rand(1, 3, 64, 64, generator=generator)
+    batch = RolloutBatch(["a cat"], images, latents, log_probs, torch.linspace(1, 0, 5), cond, opts)
+    output = DiffusionOutput(**output_fields(batch, 0, post_process=family.native.post_process))
+    module, _, name = getter.rpartition(".")
+    model = str(request.getfixturevalue(model_dir))
+    post_process = getattr(importlib.import_module(module), name)(SimpleNamespace(output_type="latent", model=model))
     prompt, sampling = request_inputs("a cat", 1, opts)
-    request = OmniDiffusionRequest(
+    request_ = OmniDiffusionRequest(
         prompt=prompt, sampling_params=OmniDiffusionSamplingParams(**sampling), request_id="r0"
     )
     data = post_process(output.output)
     (formatted,) = format_diffusion_outputs(
-        request=request,
-        od_config=SimpleNamespace(model_class_name="QwenImagePipeline"),
+        request=request_,
+        od_config=SimpleNamespace(model_class_name=class_name),
         diffusion_output=output,
         output_data=data,
         postprocess_output=normalize_diffusion_postprocess_output(data),
     )
     result = result_from_output(formatted)
-    assert torch.equal(result["image"], batch.images[0]) and torch.equal(result["log_probs"], log_probs[0])
-    assert torch.equal(result["embeds"], cond.embeds[0])
+    assert torch.equal(result["image"], images[0]) and torch.equal(result["log_probs"], log_probs[0])
+    assert torch.equal(result["latents"], latents[0])
+    for field, tensor in cond.tensors().items():
+        assert torch.equal(result[field], tensor[0]), field
 
 
 def test_the_installed_vllm_omni_has_the_hooks():
-    assert all(hook_problems(family) is None for family in ("sd3", "flux", "qwen_image", "wan"))
+    assert all(
+        hook_problems(family) is None
+        for family in ("sd3", "flux", "flux_kontext", "qwen_image", "qwen_image_edit_plus", "wan")
+    )
     assert "model.family=wan22" in hook_problems("wan22")  # its two experts: not extended
 
 

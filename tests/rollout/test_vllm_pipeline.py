@@ -10,7 +10,9 @@ from omni.models.sd3 import FAMILY, build_tiny_transformer
 from omni.rollout import transport
 from omni.rollout.vllm_pipeline import FlowGRPOPipeline
 from omni.rollout.vllm_protocol import (
+    CONVERTS_PAYLOAD,
     IMAGE_KEY,
+    TAKES_TENSOR,
     collate_results,
     emulate_request_output,
     options_from_sampling_params,
@@ -129,20 +131,24 @@ def test_request_round_trips_the_options():
     assert options_from_sampling_params(SimpleNamespace(**request_inputs("a cat", 1, clip)[1])) == clip
 
 
-def test_an_image_a_post_process_would_convert_rides_in_the_metadata(synced):
-    """Qwen-Image's post-process makes PIL images of the payload: with `post_processed`
-    the reader takes the exact fp32 image from the metadata group, not the payload."""
+@pytest.mark.parametrize("post_process", [CONVERTS_PAYLOAD, TAKES_TENSOR])
+def test_an_image_a_post_process_would_convert_rides_in_the_metadata(synced, post_process):
+    """Qwen-Image's post-process makes PIL images of the payload, FLUX.1 Kontext's of an image
+    tensor (it takes nothing else): the reader takes the exact fp32 image from the metadata
+    group, which rides in the envelope or beside the trajectory's latents."""
     _, pipeline = synced
     batch = pipeline.sample(PROMPTS[:2], SEEDS[:2], CASES["flow_grpo"])
-    fields = output_fields(batch, 1, post_processed=True)
-    assert fields["output"]["payload"]["image"].shape == (1, *batch.images.shape[1:])  # a batch in [-1, 1]
+    fields = output_fields(batch, 1, post_process=post_process)
+    image = fields["output"]["payload"]["image"] if post_process == CONVERTS_PAYLOAD else fields["output"]
+    assert image.shape == (1, *batch.images.shape[1:])  # a batch in [-1, 1]
     output = emulate_request_output(fields)
-    output.images = [
-        (output.images[0][0] / 2 + 0.5).mul(255).round().byte().permute(1, 2, 0).numpy()
-    ]  # as a post-process leaves it
+    output.images = [(output.images[0][0] / 2 + 0.5).mul(255).round().byte().permute(1, 2, 0).numpy()]  # as converted
     result, plain = result_from_output(output), result_from_output(emulate_request_output(output_fields(batch, 1)))
     assert torch.equal(result[IMAGE_KEY], batch.images[1]) and torch.equal(plain[IMAGE_KEY], batch.images[1])
+    assert torch.equal(result["latents"], batch.latents[1])
     assert set(result) == set(plain)
+    with pytest.raises(ValueError, match="post_process='pil'"):
+        output_fields(batch, 1, post_process="pil")
 
 
 def test_warm_up_request_without_our_options_samples_ode(tiny_sd3_dir):
