@@ -18,7 +18,8 @@ An image is a path (relative to the JSONL file's folder, or absolute), raw bytes
 under `<OMNI_CACHE_DIR>/edit-images/` (`omni.data.image_files`), so every process reads
 sources from files. Every row is read and every image checked to be whole when the set loads,
 before any model: a bad row is an error naming its file and line (or row), or with
-`skip_bad_rows` is skipped and logged.
+`skip_bad_rows` is skipped and logged. Then only the good rows' numbers stay in memory: an
+`EditSet` reads an edit's row again when training asks for it, as preference pairs stream.
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ from __future__ import annotations
 import glob
 import json
 import logging
+from array import array
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+import numpy as np
 from PIL import Image
 
 from omni.data.image_files import SOURCE_COLUMNS, BadImage, image_store, source_paths, stored_image
-from omni.data.pair_sources import open_pair_source
+from omni.data.pair_sources import PairSource, open_pair_source
 from omni.data.prompts import Prompt, source_images
 
 logger = logging.getLogger(__name__)
@@ -83,8 +87,9 @@ def is_edit_set(path: Path | str) -> bool:
 
 def load_edits(
     spec: str, key: str = "data.train", skip_bad_rows: bool = False, store: Optional[Path] = None
-) -> List[Prompt]:
-    """Every edit of the set at `spec` as a Prompt (see the module docstring)."""
+) -> "EditSet":
+    """The edit set at `spec`, every row checked (see the module docstring), read row by row
+    as it is used."""
     try:
         source = open_pair_source(spec, key)
     except FileNotFoundError:
@@ -93,25 +98,57 @@ def load_edits(
             "with source images)"
         ) from None
     store = store or image_store()
-    edits, skipped = [], 0
+    good, skipped = array("q"), 0
     for number, row in source.scan_rows():
-        path, place = source.where(number)
-        where = f"{path}, {place}"
         try:
             if isinstance(row, Exception):
                 raise BadImage(str(row))
-            edits.append(edit_prompt(row, source.base_dir, where, store))
+            edit_prompt(row, source.base_dir, _where(source, number), store)
+            good.append(number)
         except BadImage as error:
-            message = f"{key}={spec}: {where}: {error}"
+            message = f"{key}={spec}: {_where(source, number)}: {error}"
             if not skip_bad_rows:
                 raise ValueError(message) from None
             skipped += 1
             logger.warning("skipping an edit: %s", message)
-    if not edits:
+    if not good:
         raise ValueError(
             f"{key}={spec}: the edit set has no edits" + (f" ({skipped} bad rows skipped)" if skipped else "")
         )
-    return edits
+    return EditSet(source, np.frombuffer(good, dtype=np.int64), store)
+
+
+class EditSet(Sequence):
+    """The good rows of an edit set, each read from its file when it is asked for (training
+    takes a step's few; a pass over the set reads it in chunks), as the preference pairs'
+    rows are (`omni.data.pair_loader`): the set itself is never held in memory, only its good
+    rows' numbers. An edit's images are files by then (the scan stored any bytes)."""
+
+    CHUNK = 256  # rows read at once by a pass over the set
+
+    def __init__(self, source: PairSource, rows: np.ndarray, store: Path):
+        self.source, self.rows, self.store = source, rows, store
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        number = int(self.rows[index])
+        (row,) = self.source.rows([number])
+        return edit_prompt(row, self.source.base_dir, _where(self.source, number), self.store)
+
+    def __iter__(self) -> Iterator[Prompt]:
+        for start in range(0, len(self.rows), self.CHUNK):
+            numbers = [int(n) for n in self.rows[start : start + self.CHUNK]]
+            for number, row in zip(numbers, self.source.rows(numbers)):
+                yield edit_prompt(row, self.source.base_dir, _where(self.source, number), self.store)
+
+
+def _where(source: PairSource, number: int) -> str:
+    path, place = source.where(number)
+    return f"{path}, {place}"
 
 
 def edit_prompt(row: Any, base_dir: Path, where: str, store: Path) -> Prompt:

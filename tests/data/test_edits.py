@@ -103,6 +103,23 @@ def test_a_truncated_source_is_refused_or_skipped_and_logged(jsonl_set, caplog):
     with caplog.at_level(logging.WARNING):
         edits = load_prompt_set(str(path), skip_bad_rows=True)
     assert len(edits) == N - 1 and "line 5" in caplog.text
+    assert [e.origin for e in edits[3:5]] == [f"{path}, line 4", f"{path}, line 6"]  # the bad row is not read again
+
+
+def test_an_edit_set_is_read_row_by_row_as_it_is_used(jsonl_set):
+    """Like preference pairs, the set keeps its good rows' numbers only: an edit is read from
+    its line when asked for (the same edit every time), and the set pickles small."""
+    import pickle
+
+    path, rows = jsonl_set
+    edits = load_edits(str(path))
+    assert not hasattr(edits, "__dict__") or all(not isinstance(v, list) for v in vars(edits).values())
+    assert edits.rows.tolist() == list(range(N)) and len(pickle.dumps(edits)) < 2000
+    again = pickle.loads(pickle.dumps(edits))
+    assert [(str(e), e.images, e.origin) for e in again] == [(str(e), e.images, e.origin) for e in edits]
+    assert str(edits[-1]) == rows[-1]["instruction"] and [str(e) for e in edits[1:3]] == [
+        r["instruction"] for r in rows[1:3]
+    ]
 
 
 def test_prompt_files_stay_prompt_files(tmp_path):

@@ -8,7 +8,6 @@ The step must change the LoRA and report a finite loss; the CLI runs of
 import math
 
 import pytest
-import torch
 
 from omni.recolor import write_recolor_pairs
 from omni.trainer import Trainer
