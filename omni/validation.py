@@ -358,6 +358,8 @@ def check_prompts(cfg: TrainConfig, family: ModelFamily) -> None:
             for resolution in sorted(sizes):
                 problem = family.source_problem(prompt, resolution)
                 require(problem is None, f"{key}={spec}: {prompt.origin}: {problem}")
+        problem = family.sources_problem(prompts)
+        require(problem is None, f"{key}={spec}: {problem}")
         needs = [("reward.components", components)] + ([("eval.rewards", extra)] if key == eval_key else [])
         for where, rewards in needs:
             for name, options in rewards.items():

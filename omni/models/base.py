@@ -239,6 +239,11 @@ class ModelFamily:
         square, checked at validation before any model loads; None: nothing."""
         return None
 
+    def sources_problem(self, prompts) -> Optional[str]:
+        """What makes a set's sources unusable together (the prompts a batch may mix),
+        checked at validation before any model loads; None: nothing."""
+        return None
+
     # ----------------------------------------------------------------- loading
     def _diffusers(self, name: str):
         import diffusers

@@ -17,7 +17,8 @@ Sampling follows `FluxKontextPipeline.__call__` with one source image and `_auto
 FLUX.1 Kontext [dev] is guidance-distilled like FLUX.1-dev (an embedding, 2.5 by default in
 the pipeline, one pass). The pipeline's true classifier-free guidance (`true_cfg_scale` with a
 negative prompt, a second pass) is not offered here. The sources of one batch must share a
-size (their tokens are batched together).
+size (their tokens are batched together): validation refuses a set whose sources differ in
+size (`sources_problem`), before any model loads.
 
 The tiny pipeline is the tiny FLUX.1 one (`omni.models.flux`) assembled as a
 FluxKontextPipeline: the transformer class is the same, and FLUX.1-Kontext-dev's transformer
@@ -31,11 +32,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
 
 from omni.data.edits import open_sources
+from omni.data.prompts import source_images
 from omni.models.base import vae_encode
 from omni.models.flux import FluxFamily, FluxNative, FluxPromptEmbeds, build_tiny_flux_pipeline, image_ids
 from omni.models.packing import pack, unpack
@@ -45,6 +47,17 @@ from omni.models.tiny_parts import cached_checkpoint, save_pipeline
 TINY_BUILDER_VERSION = 1
 # The first position coordinate of the reference tokens (the latents' is 0).
 REFERENCE_INDEX = 1
+
+
+def _image_size(path: str) -> Optional[Tuple[int, int]]:
+    """An image's (width, height) from its header; None if unreadable."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            return image.size
+    except (OSError, ValueError):
+        return None
 
 
 def build_tiny_flux_kontext_pipeline(seed: int = 0):
@@ -142,6 +155,26 @@ class FluxKontextFamily(FluxFamily):
         `height` and `width` say."""
         images = [self._source(prompt) for prompt in prompts]
         return {"image": images, "_auto_resize": False, "max_area": resolution * resolution}
+
+    def sources_problem(self, prompts) -> Optional[str]:
+        """Sources of more than one size: a batch's reference tokens are stacked, so they must
+        share a grid (one size keeps that whatever the VAE's factor). Reads headers only."""
+        first = None
+        for prompt in prompts:
+            for path in source_images(prompt):
+                size = _image_size(path)
+                if size is None:
+                    continue  # unreadable: the rollout names it with its prompt
+                if first is None:
+                    first = (size, prompt.origin or path)
+                elif size != first[0]:
+                    (w0, h0), where = first
+                    return (
+                        f"model.family={self.name} batches sources of one size, but {where} has a source of "
+                        f"{w0}x{h0} pixels and {prompt.origin or path} one of {size[0]}x{size[1]}: resize the "
+                        "sources to one size, or use model=qwen_image_edit_plus, which sizes every source to one area"
+                    )
+        return None
 
     def _source(self, prompt):
         sources = open_sources(prompt)

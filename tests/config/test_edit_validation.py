@@ -33,3 +33,23 @@ def test_more_sources_than_the_family_takes_are_refused(tmp_path):
     rows.write_text(f'{{"prompt": "make it red", "images": ["{source}", "{source}"]}}\n')
     with pytest.raises(ConfigError, match=r"edits.jsonl, line 1: model.family=flux_kontext .* 1 to 1 source .* has 2"):
         validate(compose_config(["model=flux_kontext_tiny", f"data.train={rows}", "reward=edit_consistency"]))
+
+
+def test_kontext_sources_of_two_sizes_are_refused_naming_both(tmp_path):
+    """A batch stacks FLUX.1 Kontext's reference tokens: a set whose sources differ in size
+    would fail mid-run; Qwen-Image-Edit-Plus sizes every source to one area and takes it."""
+    from PIL import Image
+
+    rows = []
+    for i, size in enumerate(((64, 64), (64, 64), (96, 64))):
+        Image.new("RGB", size).save(tmp_path / f"s{i}.png")
+        rows.append(f'{{"prompt": "make it red", "image": "s{i}.png"}}\n')
+    edits = tmp_path / "edits.jsonl"
+    edits.write_text("".join(rows))
+    overrides = [f"data.train={edits}", f"data.eval={edits}", "reward=edit_consistency"]
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(["model=flux_kontext_tiny", *overrides]))
+    message = str(info.value)
+    assert f"data.train={edits}: model.family=flux_kontext batches sources of one size" in message
+    assert "line 1 has a source of 64x64 pixels" in message and "line 3 one of 96x64" in message
+    validate(compose_config(["model=qwen_image_edit_plus_tiny", *overrides]))
