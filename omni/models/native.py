@@ -24,6 +24,9 @@ family. Its facts:
 - `post_process`: what vLLM-Omni's post-process of the family does with the output even
   with output_type latent (`omni.rollout.vllm_protocol`: passes it, converts the payload's
   image, or takes an image tensor only), which decides how the answer is laid out;
+- `groups_outputs`: whether vLLM-Omni's pipeline samples a request of several outputs
+  (`num_outputs_per_prompt`, one prompt group) with its conditioning repeated per output;
+  where not (its SD3's), the engine sends a request per image;
 - `forward_arguments`: what vLLM-Omni's `forward` of the family takes as arguments instead of
   reading it from the request (FLUX.1 Kontext's text length);
 - `prepare`: what vLLM-Omni's pipeline needs changed before our scheduler takes its place
@@ -79,6 +82,7 @@ class NativePipeline:
     # ((plain root parameter, vLLM-Omni's full name), ...)
     renamed_parameters: Tuple[Tuple[str, str], ...] = ()
     cond_arguments: Tuple[str, ...] = ()
+    groups_outputs: bool = True
     post_process: str = "passes"  # an `omni.rollout.vllm_protocol.POST_PROCESSES`
     noise = staticmethod(unpacked_step_noise)
 

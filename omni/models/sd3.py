@@ -110,6 +110,10 @@ class PromptEmbeds(Conditioning):
 class SD3Native(NativePipeline):
     """vLLM-Omni's SD3 pipeline under `rollout.options.backend=native`."""
 
+    # vLLM-Omni 0.30's SD3 forward encodes a request's prompt once for all its outputs (the
+    # text embeddings are not repeated per image): a request per image
+    groups_outputs = False
+
     pipeline = "vllm_omni.diffusion.models.sd3.pipeline_sd3.StableDiffusion3Pipeline"
     cond_arguments = (
         "prompt_embeds",

@@ -34,7 +34,7 @@ from omni.models.base import Conditioning, ModelFamily
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.engine_client import EngineClient, EngineUnreachable, retry_policy
 from omni.rollout.transport import pack, write_base_weights, write_lora_adapter
-from omni.rollout.vllm_options import VllmBackend, VllmOptions, VllmRolloutConfig
+from omni.rollout.vllm_options import RequestsMode, VllmBackend, VllmOptions, VllmRolloutConfig
 from omni.rollout.vllm_protocol import batch_from_tensors, prompt_sources
 
 logger = logging.getLogger(__name__)
@@ -135,6 +135,7 @@ def build(cfg, family: ModelFamily, model_path: str, device: torch.device, dtype
         rollout.load_base,
         cfg.output_dir,
         cfg.model.vae_inversion_steps,
+        getattr(cfg.algorithm, "group_size", 1),
     )
 
 
@@ -274,8 +275,11 @@ class VllmEngine:
         load_base: bool,
         run_dir: Path,
         vae_inversion_steps: int = 0,
+        group_size: int = 1,
     ) -> "VllmEngine":
-        """Attach to `options.url`, or start an engine process for `model_path`."""
+        """Attach to `options.url`, or start an engine process for `model_path`, which sends
+        vLLM-Omni a request per prompt group of up to `group_size` images
+        (`options.requests`), at most `micro_batch_size` images a forward."""
         shared_dir = Path(options.shared_dir or Path(run_dir) / "vllm_engine") / f"worker-{os.getpid()}"
         if options.url:
             served = EngineClient(options.url, options).health()["model"]
@@ -295,6 +299,7 @@ class VllmEngine:
             load_base,
             shared_dir,
             vae_inversion_steps,
+            group_size,
         )
         return cls(options, family, url, shared_dir, process)
 
@@ -375,6 +380,7 @@ def _launch(
     load_base,
     shared_dir: Path,
     vae_inversion_steps: int = 0,
+    group_size: int = 1,
 ):
     """Start `omni.rollout.vllm_server` with the engine env's python; wait until it answers."""
     from omni.distributed import free_port
@@ -402,6 +408,7 @@ def _launch(
     command += ["--device", device.type, "--engine-args", json.dumps(dict(options.engine_args)), "--exit-with-parent"]
     command += [] if load_base else ["--no-load-base"]
     command += ["--vae-inversion-steps", str(vae_inversion_steps)]
+    command += ["--requests", RequestsMode(options.requests).value, "--group-size", str(group_size)]
     shared_dir.mkdir(parents=True, exist_ok=True)
     log = shared_dir / "engine.log"
     with open(log, "ab") as out:

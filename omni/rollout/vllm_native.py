@@ -77,7 +77,7 @@ from omni.rollout.native_names import check_complete, native_module, native_name
 from omni.rollout.native_scheduler import FlowGRPOScheduler
 from omni.rollout.native_support import native_class_name, native_facts, native_families
 from omni.rollout.transport import LORA_CONFIG_FILE, LORA_FILE, read_weights
-from omni.rollout.vllm_protocol import group_by_options, output_fields, prompt_text
+from omni.rollout.vllm_protocol import group_by_options, output_fields, prompt_text, request_rows
 
 TRANSFORMER_PREFIX = "transformer."
 
@@ -208,16 +208,22 @@ class NativeRollout:
 
     # ----------------------------------------------------------------- sampling
     def forward(self, req: DiffusionRequestBatch) -> List[DiffusionOutput]:
-        """One `DiffusionOutput` per request, in order; requests with different sampling
-        options take separate passes of vLLM-Omni's forward."""
-        prompts = [prompt_text(p) for p in req.prompts]
+        """One `DiffusionOutput` per request (its outputs, `num_outputs_per_prompt` of them,
+        each drawn from its own seed), in order; requests with different sampling options
+        take separate passes of vLLM-Omni's forward."""
+        texts = [prompt_text(p) for p in req.prompts]
         params = req.sampling_params_list
-        outputs: List[Optional[DiffusionOutput]] = [None] * len(prompts)
-        for options, rows in group_by_options(prompts, params):
-            part = req if len(rows) == len(prompts) else DiffusionRequestBatch(requests=[req.requests[i] for i in rows])
-            batch = self._rollout(part, [prompts[i] for i in rows], [_seed(params[i]) for i in rows], options)
-            for j, i in enumerate(rows):
-                outputs[i] = DiffusionOutput(**output_fields(batch, j, self.native.post_process))
+        outputs: List[Optional[DiffusionOutput]] = [None] * len(texts)
+        for options, requests in group_by_options(texts, params):
+            part = (
+                req
+                if len(requests) == len(texts)
+                else DiffusionRequestBatch(requests=[req.requests[i] for i in requests])
+            )
+            prompts, seeds, spans = request_rows(texts, params, requests)
+            batch = self._rollout(part, prompts, seeds, options)
+            for i, (start, stop) in zip(requests, spans):
+                outputs[i] = DiffusionOutput(**output_fields(batch, range(start, stop), self.native.post_process))
         return outputs
 
     @torch.no_grad()
@@ -291,9 +297,3 @@ def _refuse_transformer(weights: Iterable) -> Iterable:
         if name.startswith(TRANSFORMER_PREFIX):
             raise ValueError(f"started without base weights (load_base false), yet the loader sent {name}")
         yield name, tensor
-
-
-def _seed(params) -> int:
-    if params.seed is None:
-        raise ValueError("a rollout request needs a seed (its image's noise is drawn from it)")
-    return int(params.seed)

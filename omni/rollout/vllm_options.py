@@ -14,6 +14,11 @@ class VllmBackend(str, Enum):
     local = "local"  # the same pipeline in the engine process without vLLM-Omni (tests, debugging)
 
 
+class RequestsMode(str, Enum):
+    per_group = "per_group"  # one vLLM-Omni request per prompt group, each image with its seed
+    per_image = "per_image"  # one request per image (the engine's protocol before grouping)
+
+
 @dataclass
 class VllmOptions:
     """`rollout.options` of rollout=vllm (see omni/rollout/vllm_engine.py)."""
@@ -26,6 +31,9 @@ class VllmOptions:
     # Where weight syncs are written; the engine must be able to read it (default: run dir).
     shared_dir: Optional[str] = None
     backend: VllmBackend = VllmBackend.vllm
+    # What a vLLM-Omni request holds: a prompt group's images (fewer requests; vLLM-Omni's
+    # edit pipelines, one request per forward, then batch a group) or one image.
+    requests: RequestsMode = RequestsMode.per_group
     startup_timeout: float = 1800.0
     request_timeout: float = 3600.0
     # Further tries of a call (not /shutdown) whose connection failed or broke, or that a

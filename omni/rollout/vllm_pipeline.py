@@ -24,7 +24,7 @@ from omni.models import get_family
 from omni.rollout.base import RolloutBatch, SamplingOptions
 from omni.rollout.diffusers_engine import load_diffusers_engine
 from omni.rollout.transport import read_weights
-from omni.rollout.vllm_protocol import group_by_options, output_fields, prompt_text
+from omni.rollout.vllm_protocol import group_by_options, output_fields, prompt_text, request_rows
 
 PIPELINE_CLASS = "omni.rollout.vllm_pipeline.FlowGRPOPipeline"
 
@@ -100,14 +100,16 @@ class FlowGRPOPipeline(torch.nn.Module):
 
     def forward_fields(self, batch) -> List[Dict[str, Any]]:
         """`DiffusionOutput` fields for each request of a vLLM-Omni request batch (anything
-        with `.prompts` and `.sampling_params_list`), in the batch's order."""
-        prompts = [prompt_text(p) for p in batch.prompts]
+        with `.prompts` and `.sampling_params_list`), in the batch's order: all their outputs
+        sampled in one pass, each with its seed."""
+        texts = [prompt_text(p) for p in batch.prompts]
         params = batch.sampling_params_list
-        fields: List[Optional[Dict[str, Any]]] = [None] * len(prompts)
-        for options, rows in group_by_options(prompts, params):
-            sampled = self.sample([prompts[i] for i in rows], [_seed(params[i]) for i in rows], options)
-            for j, i in enumerate(rows):
-                fields[i] = output_fields(sampled, j)
+        fields: List[Optional[Dict[str, Any]]] = [None] * len(texts)
+        for options, requests in group_by_options(texts, params):
+            prompts, seeds, spans = request_rows(texts, params, requests)
+            sampled = self.sample(prompts, seeds, options)
+            for i, (start, stop) in zip(requests, spans):
+                fields[i] = output_fields(sampled, range(start, stop))
         return fields
 
     def forward(self, batch) -> list:
@@ -121,9 +123,3 @@ class FlowGRPOPipeline(torch.nn.Module):
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         return self._on_device().encode_images(images)
-
-
-def _seed(params) -> int:
-    if params.seed is None:
-        raise ValueError("a rollout request needs a seed (its image's noise is drawn from it)")
-    return int(params.seed)

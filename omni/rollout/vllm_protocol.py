@@ -1,14 +1,16 @@
-"""One image's request to vLLM-Omni and its answer, as plain data (no vLLM import here).
+"""A request to vLLM-Omni and its answer, as plain data (no vLLM import here).
 
-The engine process submits one vLLM-Omni request per image; vLLM-Omni co-batches
-compatible requests (up to `max_num_seqs`) into one call of our pipeline's `forward`.
+The engine process submits one vLLM-Omni request per prompt group (`prompt_groups`: a run
+of equal prompts, `num_outputs_per_prompt` images, each with its own seed), or with
+`rollout.options.requests=per_image` one per image; vLLM-Omni co-batches compatible
+requests (up to `max_num_seqs`) into one call of the pipeline's `forward`.
 
 - request: the prompt as an `OmniTextPrompt` dict (an edit's source images, opened as RGB,
   in its `multi_modal_data`, where vLLM-Omni's edit pipelines read them); `OmniDiffusionSamplingParams` fields
-  for steps, size, frames (1 for an image), guidance, text length and the image's seed; our
-  sampler's options (noise level, SDE window and step, ODE solver) under
-  `extra_args["omni_rollout"]`, the params' free-form slot.
-- answer (`DiffusionOutput` fields): the image as the output payload, the latent
+  for steps, size, frames (1 for an image), guidance, text length and the outputs' seeds
+  (and for several, a CPU generator each); our sampler's options (seeds, noise level, SDE
+  window and step, ODE solver) under `extra_args["omni_rollout"]`, the params' free-form slot.
+- answer (`DiffusionOutput` fields), the request's outputs along dim 0: the images as the output payload, the latent
   trajectory, per-step log-probs and noise levels in the `trajectory_*` fields vLLM-Omni
   keeps for RL, and the text embeddings in an `omni_rollout` metadata group (vLLM-Omni
   0.30 replaced `custom_output` by metadata groups). A pipeline whose vLLM-Omni post-process
@@ -24,7 +26,7 @@ for the engine's local backend; the contract tests check it against the real for
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple, Union
 
 import torch
 
@@ -45,8 +47,14 @@ DEFAULT_RESOLUTION = 512
 DEFAULT_MAX_SEQUENCE_LENGTH = 256
 
 
-def request_inputs(prompt: str, seed: int, options: SamplingOptions) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """(prompt, sampling-params keyword arguments) of one image's request."""
+def request_inputs(
+    prompt: str, seeds: Union[int, Sequence[int]], options: SamplingOptions
+) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(prompt, sampling-params keyword arguments) of one request: the prompt's images, one
+    per seed (a prompt group's, or one image's). Each output keeps its own seed: ours under
+    `extra_args`, and for vLLM-Omni's own pipelines one CPU generator per output, from which
+    they draw each output's initial noise as our sampler draws it."""
+    seeds = [int(seeds)] if isinstance(seeds, int) else [int(s) for s in seeds]
     sampling = dict(
         num_inference_steps=options.num_steps,
         height=options.resolution,
@@ -54,14 +62,15 @@ def request_inputs(prompt: str, seed: int, options: SamplingOptions) -> Tuple[Di
         num_frames=options.num_frames,
         guidance_scale=options.guidance_scale,
         max_sequence_length=options.max_sequence_length,
-        seed=int(seed),
-        num_outputs_per_prompt=1,
+        seed=seeds[0],
+        num_outputs_per_prompt=len(seeds),
         # the native backend's own pipeline: its initial latents from a CPU generator (as
         # our sampler's), and no VAE decode of its own (ours decodes the fp32 latent)
         generator_device="cpu",
         output_type="latent",
         extra_args={
             ROLLOUT_KEY: {
+                "seeds": seeds,
                 "noise_level": options.noise_level,
                 "sde_steps": list(options.sde_steps),
                 "sde_type": options.sde_type,
@@ -69,12 +78,51 @@ def request_inputs(prompt: str, seed: int, options: SamplingOptions) -> Tuple[Di
             }
         },
     )
+    if len(seeds) > 1:  # one seed: vLLM-Omni makes the generator itself
+        sampling["generator"] = [torch.Generator().manual_seed(seed) for seed in seeds]
     text: Dict[str, Any] = {"prompt": str(prompt)}
     if source_images(prompt):
         from omni.data.edits import open_sources
 
         text["multi_modal_data"] = {"image": open_sources(prompt)}
     return text, sampling
+
+
+def request_seeds(params) -> List[int]:
+    """The seed of each output of a request (`request_inputs`'s; a request without ours, such
+    as vLLM-Omni's start-up warm-up, its one seed)."""
+    ours = (getattr(params, "extra_args", None) or {}).get(ROLLOUT_KEY, {})
+    if "seeds" in ours:
+        return [int(seed) for seed in ours["seeds"]]
+    if params.seed is None:
+        raise ValueError("a rollout request needs a seed (its image's noise is drawn from it)")
+    return [int(params.seed)]
+
+
+def prompt_groups(prompts: Sequence[str], seeds: Sequence[int], size: int) -> List[Tuple[str, List[int]]]:
+    """(prompt, seeds) of each request: a run of equal prompts (text and sources, as a prompt
+    group comes) in one request of at most `size` images; `size` 1: a request per image."""
+    groups: List[Tuple[str, List[int]]] = []
+    for prompt, seed in zip(prompts, seeds):
+        last = groups[-1] if groups else None
+        same = last is not None and last[0] == prompt and source_images(last[0]) == source_images(prompt)
+        if same and len(last[1]) < size:
+            last[1].append(int(seed))
+        else:
+            groups.append((prompt, [int(seed)]))
+    return groups
+
+
+def request_rows(texts: Sequence[str], params_list: Sequence, requests: Sequence[int]):
+    """The rows a forward samples for `requests` (indices into the batch): each request's
+    prompt once per output, with its seeds, and the rows (start, stop) of each request."""
+    prompts, seeds, spans = [], [], []
+    for i in requests:
+        request = request_seeds(params_list[i])
+        spans.append((len(seeds), len(seeds) + len(request)))
+        prompts += [texts[i]] * len(request)
+        seeds += request
+    return prompts, seeds, spans
 
 
 def prompt_sources(prompts: Sequence[str]) -> List[List[str]]:
@@ -127,28 +175,29 @@ def group_by_options(prompts: Sequence, params_list: Sequence) -> List[Tuple[Sam
     return list(groups.values())
 
 
-def output_fields(batch: RolloutBatch, row: int, post_process: str = PASSES) -> Dict[str, Any]:
-    """`DiffusionOutput` keyword arguments for image `row` of a sampled batch, for a family
-    whose vLLM-Omni post-process treats the output as `post_process` says (`PASSES`,
-    `CONVERTS_PAYLOAD`, `TAKES_TENSOR`). Where it converts the image (it takes a batch in
-    [-1, 1]), the exact image also rides in the metadata group; where it takes a tensor
-    only, the metadata group rides with the trajectory's latents, a dict vLLM-Omni passes
-    through."""
+def output_fields(batch: RolloutBatch, rows: Sequence[int], post_process: str = PASSES) -> Dict[str, Any]:
+    """`DiffusionOutput` keyword arguments for one request: the `rows` of a sampled batch (its
+    outputs), every tensor batched along dim 0 but the shared noise levels. `post_process`:
+    what vLLM-Omni's post-process of the family does with the output (`PASSES`,
+    `CONVERTS_PAYLOAD`, `TAKES_TENSOR`). Where it converts the images (it takes a batch in
+    [-1, 1]), the exact images also ride in the metadata group; where it takes a tensor only,
+    the metadata group rides with the trajectory's latents, a dict vLLM-Omni passes through."""
     if post_process not in POST_PROCESSES:
         raise ValueError(f"post_process={post_process!r}: one of {POST_PROCESSES}")
-    cond = {name: t[row] for name, t in batch.cond.tensors().items()}
-    image, latents = batch.images[row], batch.latents[row]
+    index = torch.as_tensor(list(rows), dtype=torch.long)
+    cond = {name: t[index] for name, t in batch.cond.tensors().items()}
+    images, latents = batch.images[index], batch.latents[index]
     if post_process != PASSES:
-        cond[IMAGE_KEY] = image
-        image = image[None] * 2 - 1
+        cond[IMAGE_KEY] = images
+        images = images * 2 - 1
     if post_process == TAKES_TENSOR:
-        output, latents = image, {LATENTS_KEY: latents, ROLLOUT_KEY: cond}
+        output, latents = images, {LATENTS_KEY: latents, ROLLOUT_KEY: cond}
     else:
-        output = {"payload": {"image": image}, "metadata": {ROLLOUT_KEY: cond}}
+        output = {"payload": {"image": images}, "metadata": {ROLLOUT_KEY: cond}}
     return dict(
         output=output,
         trajectory_latents=latents,
-        trajectory_log_probs=batch.log_probs[row],
+        trajectory_log_probs=batch.log_probs[index],
         trajectory_timesteps=batch.sigmas,
     )
 
@@ -168,17 +217,19 @@ def emulate_request_output(fields: Dict[str, Any]) -> SimpleNamespace:
     )
 
 
-def _image_tensor(image) -> torch.Tensor:
-    """(3, H, W) in [0, 1]; a PIL image (if a formatter converted ours) is read back."""
-    if isinstance(image, torch.Tensor):
-        return image.float()
+def _images(images: Sequence) -> torch.Tensor:
+    """A request's images, batched, in [0, 1]: our payload passed through (one tensor, the
+    outputs along dim 0), or PIL images if a formatter converted them (read back)."""
+    if len(images) == 1 and isinstance(images[0], torch.Tensor):
+        return images[0].float()
     import numpy as np
 
-    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
+    return torch.stack([torch.from_numpy(np.asarray(i, dtype=np.float32) / 255.0).permute(2, 0, 1) for i in images])
 
 
 def result_from_output(output) -> Dict[str, torch.Tensor]:
-    """One image's tensors from a finished `OmniRequestOutput`."""
+    """One request's tensors (its outputs along dim 0; `sigmas` shared) from a finished
+    `OmniRequestOutput`."""
     if getattr(output, "error", None):
         raise RuntimeError(f"vLLM-Omni request failed: {output.error}")
     metadata = (output.multimodal_output or {}).get("metadata", {})
@@ -192,7 +243,7 @@ def result_from_output(output) -> Dict[str, torch.Tensor]:
         )
     result = {name: t for name, t in metadata[ROLLOUT_KEY].items()}
     result.update(
-        image=result.pop(IMAGE_KEY) if IMAGE_KEY in result else _image_tensor(output.images[0]),
+        image=result.pop(IMAGE_KEY) if IMAGE_KEY in result else _images(output.images),
         latents=latents,
         log_probs=output.trajectory_log_probs,
         sigmas=output.trajectory_timesteps,
@@ -203,8 +254,9 @@ def result_from_output(output) -> Dict[str, torch.Tensor]:
 def collate_results(
     prompts: Sequence[str], results: Sequence[Dict[str, torch.Tensor]], options: SamplingOptions, conditioning: type
 ) -> RolloutBatch:
-    """Per-image results -> the batch the actor re-scores (`conditioning`: the family's type)."""
-    stack = lambda name: torch.stack([r[name] for r in results])  # noqa: E731
+    """Per-request results (each its outputs along dim 0) -> the batch the actor re-scores
+    (`conditioning`: the family's type)."""
+    stack = lambda name: torch.cat([r[name] for r in results])  # noqa: E731
     cond = conditioning(*(stack(name) if name in results[0] else None for name in conditioning.field_names()))
     return RolloutBatch(
         list(prompts), stack("image"), stack("latents"), stack("log_probs").float(), results[0]["sigmas"], cond, options

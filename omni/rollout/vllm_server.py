@@ -14,11 +14,12 @@ API (bodies are `omni.rollout.transport.pack` blobs, whose JSON each route types
     POST /encode_prompts  prompts -> their conditioning;  POST /encode_images  images -> latents
     POST /shutdown
 
-Backends: `vllm` (AsyncOmni with `FlowGRPOPipeline` and our worker extension, one
-request per image), `native` (AsyncOmni with vLLM-Omni's own pipeline of the family and our
-SDE scheduler, `omni.rollout.vllm_native`; LoRA through vLLM-Omni's LoRA manager) and
-`local` (the same pipeline class called in this process, through the same request/answer
-mapping: runs without vLLM, for tests and debugging).
+Backends: `vllm` (AsyncOmni with `FlowGRPOPipeline` and our worker extension), `native`
+(AsyncOmni with vLLM-Omni's own pipeline of the family and our SDE scheduler,
+`omni.rollout.vllm_native`; LoRA through vLLM-Omni's LoRA manager) and `local` (the same
+pipeline class called in this process, through the same request/answer
+mapping: runs without vLLM, for tests and debugging). Each sends one request per prompt
+group (`--requests per_image`: one per image), each output with its own seed.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the routes' parameter types at run
@@ -47,6 +48,7 @@ from omni.rollout.vllm_protocol import (
     batch_to_tensors,
     collate_results,
     emulate_request_output,
+    prompt_groups,
     prompt_sources,
     request_inputs,
     result_from_output,
@@ -70,13 +72,14 @@ class LocalBackend:
         od_config = SimpleNamespace(model=args.model, dtype=DTYPES[args.dtype], custom_pipeline_args=pipeline_args)
         self.pipeline = FlowGRPOPipeline(od_config=od_config).to(args.device)
         self.conditioning = get_family(args.family).conditioning
-        self.max_num_seqs = args.max_num_seqs
+        self.max_num_seqs = max_num_seqs(args)
+        self.group_size = request_size(args)
 
     def has_base(self) -> bool:
         return self.pipeline.has_base
 
     def generate(self, prompts: Sequence[str], seeds: Sequence[int], options: SamplingOptions) -> RolloutBatch:
-        requests = [request_inputs(p, s, options) for p, s in zip(prompts, seeds)]
+        requests = [request_inputs(p, s, options) for p, s in prompt_groups(prompts, seeds, self.group_size)]
         results = []
         for start in range(0, len(requests), self.max_num_seqs):
             chunk = requests[start : start + self.max_num_seqs]
@@ -111,15 +114,32 @@ def pipeline_class(backend: str, family: str) -> str:
     return native_pipeline_class(family)
 
 
+def request_size(args) -> int:
+    """Images a request holds at most: a prompt group's (`--group-size`) with `--requests
+    per_group`, else 1 (also for a native pipeline that does not repeat its conditioning
+    per output: `native.groups_outputs`)."""
+    if args.requests != "per_group":
+        return 1
+    if args.backend == "native":
+        from omni.rollout.native_support import native_facts
+
+        if not native_facts(args.family).groups_outputs:
+            return 1
+    return max(1, args.group_size)
+
+
 def max_num_seqs(args) -> int:
-    """Requests per forward: `--max-num-seqs`, or 1 where vLLM-Omni's pipeline of the family
-    samples one request at a time (no `supports_request_batch`, e.g. its FluxKontextPipeline)."""
+    """Requests per forward, so that a forward samples at most `--max-num-seqs` images: that
+    over the images a request holds (`request_size`), or 1 where vLLM-Omni's pipeline of the
+    family samples one request at a time (no `supports_request_batch`, e.g. its
+    FluxKontextPipeline: a prompt group's images in one forward is then what batches them)."""
+    requests = max(1, args.max_num_seqs // request_size(args))
     if args.backend != "native":
-        return args.max_num_seqs
+        return requests
     from omni.rollout.vllm_native import native_pipeline
 
     if getattr(native_pipeline(args.family), "supports_request_batch", False):
-        return args.max_num_seqs
+        return requests
     logger.info("vLLM-Omni's pipeline of %s takes one request per forward: max_num_seqs 1", args.family)
     return 1
 
@@ -153,6 +173,7 @@ class VllmOmniBackend:
         threading.Thread(target=self.loop.run_forever, name="vllm-omni-loop", daemon=True).start()
         self.omni = self._wait(self._start(args))
         self.conditioning = get_family(args.family).conditioning
+        self.group_size = request_size(args)
 
     def _wait(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
@@ -178,9 +199,9 @@ class VllmOmniBackend:
         """Sampling-params fields every request gets (the native backend: its LoRA)."""
         return {}
 
-    def _request(self, prompt: str, seed: int, options: SamplingOptions):
-        """One image's (prompt, sampling-params fields)."""
-        return request_inputs(prompt, seed, options)
+    def _request(self, prompt: str, seeds: Sequence[int], options: SamplingOptions):
+        """One request's (prompt, sampling-params fields): the prompt's images, one per seed."""
+        return request_inputs(prompt, seeds, options)
 
     async def _generate_one(self, prompt, sampling: Dict[str, Any], request_id: str):
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams
@@ -195,7 +216,7 @@ class VllmOmniBackend:
 
     async def _generate(self, prompts, seeds, options) -> List[Dict[str, torch.Tensor]]:
         call = uuid.uuid4().hex[:8]
-        requests = [self._request(p, s, options) for p, s in zip(prompts, seeds)]
+        requests = [self._request(p, s, options) for p, s in prompt_groups(prompts, seeds, self.group_size)]
         return await asyncio.gather(
             *(self._generate_one(prompt, sampling, f"omni-{call}-{i}") for i, (prompt, sampling) in enumerate(requests))
         )
@@ -242,10 +263,10 @@ class NativeBackend(VllmOmniBackend):
         self.family = args.family
         self.lora = None  # (name, id, path) of the adapter requests use
 
-    def _request(self, prompt: str, seed: int, options: SamplingOptions):
+    def _request(self, prompt: str, seeds: Sequence[int], options: SamplingOptions):
         from omni.rollout.native_support import request_guidance
 
-        text, sampling = request_inputs(prompt, seed, options)
+        text, sampling = request_inputs(prompt, seeds, options)
         prompt_fields, sampling_fields = request_guidance(self.family, options.guidance_scale)
         return {**text, **prompt_fields}, {**sampling, **sampling_fields}
 
@@ -360,7 +381,14 @@ def parse_args(argv=None):
         default=0,
         help="encode images by inverting the VAE's decoder (model.vae_inversion_steps)",
     )
-    parser.add_argument("--max-num-seqs", type=int, default=16, help="images per pipeline forward")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="images per pipeline forward, at most")
+    parser.add_argument(
+        "--requests",
+        default="per_group",
+        choices=("per_group", "per_image"),
+        help="a request per prompt group (a run of equal prompts, at most --group-size images) or per image",
+    )
+    parser.add_argument("--group-size", type=int, default=1, help="images a prompt group holds (algorithm.group_size)")
     parser.add_argument("--backend", default="vllm", choices=("vllm", "native", "local"))
     parser.add_argument("--device", default="cpu", help="local backend only (vLLM-Omni places its worker itself)")
     parser.add_argument("--engine-args", default="{}", help="JSON of extra AsyncOmni keyword arguments")

