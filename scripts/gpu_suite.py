@@ -12,8 +12,9 @@ its last output and the next one runs):
   per phase, the memory estimator against the measured peak (error in %), the bf16 noise
   floor of the importance ratios, LoRA collection seconds;
 - `fsdp`: scripts/gpu_check_fsdp.py (FSDP1 with CPU offload, FSDP2 with mixed precision);
-- `async_overlap`: not measured: the asynchronous rollout mode does not exist yet (named
-  under `not_measured`).
+- `async_overlap`: not measured (named under `not_measured`): `trainer.rollout_mode=async`
+  gives each rollout worker a GPU of its own beside the trainer's, so one GPU holds no
+  asynchronous run; scripts/bench_async.py measures the overlap with CPU processes.
 
 Each part gets what is left of `--budget-s` (less a reserve for the parts after it); a part
 that would not fit is skipped and named under `skipped`. Without a CUDA device the suite
@@ -133,7 +134,10 @@ def main(argv=None) -> int:
         if name.startswith("bench") and gpu is not None:
             argv_part = [*argv_part, "--time-budget-s", str(int(max(share - 60, 30)))]  # 60 s: imports, building
         report["parts"][name] = run_part(argv_part, left)
-    report["not_measured"]["async_overlap"] = "the asynchronous rollout mode does not exist yet"
+    report["not_measured"]["async_overlap"] = (
+        "trainer.rollout_mode=async gives each rollout worker a GPU of its own beside the trainer's: one GPU holds "
+        "no asynchronous run (scripts/bench_async.py measures the overlap with CPU processes)"
+    )
     report["elapsed_s"] = round(args.budget_s - (deadline - time.monotonic()), 1)
     out = Path(args.out) if args.out else ROOT / "docs" / "benchmarks" / "gpu" / f"{today}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
