@@ -175,3 +175,13 @@ def test_arguments_are_checked_before_any_work(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--rounds", "0"])
     assert bench.parse_args([]).flow_grpo is None
+
+
+@pytest.mark.slow
+def test_our_real_run_prints_the_step_lines_the_benchmark_times(tmp_path):
+    """Our side's own command (the real CLI, logging through Hydra's format) gives the step
+    lines `measure` counts: a pattern that misses them leaves the benchmark with no time."""
+    model_dir, data_dir = bench.write_inputs(tmp_path)
+    side = bench.ours_side(tmp_path, model_dir, data_dir, steps=2)
+    result = bench.measure(side, 0, steps=1, timeout=600)
+    assert len(result["seconds_per_step"]) == 1 and result["median"] > 0

@@ -81,7 +81,8 @@ PROMPTS = ["a red cat", "a blue dog", "a green tree", "a white house"]
 EVAL_PROMPT = "a pink bird"
 # The per-step line of each trainer, and how many of its first lines end set-up and warm-up
 # (flow_grpo prints its first before any update has run, so one more of its lines is skipped).
-STEP_LINE = {"flow_grpo": re.compile(r"^advantages:"), "ours": re.compile(r"^step [1-9]\d*: .*time/update=")}
+# ours: the console logger's line, after the prefix of Hydra's log format
+STEP_LINE = {"flow_grpo": re.compile(r"^advantages:"), "ours": re.compile(r"(^|\] - )step [1-9]\d*: .*time/update=")}
 WARMUP_LINES = {"flow_grpo": 2, "ours": 1}
 # Our trainer's variants, each timed in every round: the exact gradient of the guided velocity
 # (the default), and flow_grpo's, which differentiates CFG's conditional pass only
