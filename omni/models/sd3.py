@@ -3,6 +3,11 @@ text conditioning (two CLIPs and T5, pooled and sequence embeddings), 4-D latent
 MMDiT's velocity with classifier-free guidance, and LoRA export for
 `StableDiffusion3Pipeline.load_lora_weights`.
 
+The MMDiT's last block drops its text tokens' outputs (`context_pre_only`), so its attention
+computes only the image tokens' queries (`ImageQueryAttention`): the text tokens still give
+their keys and values, and the image tokens' outputs are the same bits as diffusers'
+(attention rows are independent), only without the text rows nothing reads.
+
 The tiny pipeline has every part a real SD3 checkpoint has (MMDiT transformer, two CLIP
 text encoders with projection, a T5 encoder, a VAE, the flow-matching scheduler and real
 tokenizer classes), built in memory from a seed, saved to a directory and then loaded with
@@ -17,6 +22,8 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
+from diffusers.models.attention_processor import JointAttnProcessor2_0
 
 from omni.models.base import Conditioning, ModelFamily, vae_decode, vae_encode
 from omni.models.native import NativePipeline
@@ -139,6 +146,50 @@ class SD3Native(NativePipeline):
         return pipe.family.conditioning(embeds, pooled, *negatives).apply(lambda t: t.cpu())
 
 
+class ImageQueryAttention(JointAttnProcessor2_0):
+    """Joint attention of a block whose text outputs are dropped (`attn.context_pre_only`,
+    the MMDiT's last block): the image tokens' queries attend to every token; the text
+    tokens' queries are not computed. On a small image with long text (a 64 px image is 16
+    tokens beside SD3's 205 of text) that is most of the block's attention. While a gradient
+    could reach the text query projection's own parameters (full fine-tuning), the block
+    runs diffusers' whole computation, so that projection gets the zero gradient it gets
+    there, as optimizers and the gradient all-reduce of every worker layout expect."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        if encoder_hidden_states is None or not attn.context_pre_only or _trains(attn.add_q_proj):
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
+        batch, heads = hidden_states.shape[0], attn.heads
+
+        def split(tokens: torch.Tensor) -> torch.Tensor:
+            return tokens.view(batch, -1, heads, tokens.shape[-1] // heads).transpose(1, 2)
+
+        query, key, value = (split(proj(hidden_states)) for proj in (attn.to_q, attn.to_k, attn.to_v))
+        text_key = split(attn.add_k_proj(encoder_hidden_states))
+        text_value = split(attn.add_v_proj(encoder_hidden_states))
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        if attn.norm_added_k is not None:
+            text_key = attn.norm_added_k(text_key)
+        out = F.scaled_dot_product_attention(
+            query, torch.cat([key, text_key], dim=2), torch.cat([value, text_value], dim=2), dropout_p=0.0
+        )
+        out = out.transpose(1, 2).reshape(batch, -1, out.shape[1] * out.shape[3]).to(query.dtype)
+        return attn.to_out[1](attn.to_out[0](out)), None
+
+
+def _trains(module: torch.nn.Module) -> bool:
+    return torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())
+
+
+def use_image_query_attention(transformer) -> None:
+    """Give each block of `transformer` that drops its text outputs `ImageQueryAttention`."""
+    for block in transformer.transformer_blocks:
+        if block.context_pre_only:
+            block.attn.set_processor(ImageQueryAttention())
+
+
 class SD3Family(ModelFamily):
     name = "sd3"
     pipeline_class = "StableDiffusion3Pipeline"
@@ -157,6 +208,13 @@ class SD3Family(ModelFamily):
 
     def tiny_path(self, cache_dir, seed: int) -> Path:
         return tiny_sd3_path(cache_dir, seed)
+
+    def unused_modules(self, transformer_config: dict) -> List[str]:
+        """The last block's text query projection: that block drops its text outputs."""
+        return [f"transformer_blocks.{transformer_config['num_layers'] - 1}.attn.add_q_proj"]
+
+    def apply_settings(self, transformer, model) -> None:
+        use_image_query_attention(transformer)
 
     def published_scheduler_config(self, transformer_config: dict) -> dict:
         return dict(SCHEDULER)

@@ -78,3 +78,74 @@ def test_published_vae_and_scheduler():
     for arch in FAMILY.published_configs:
         assert vae.config.latent_channels == arch_config(FAMILY, arch)["in_channels"]
         assert FAMILY.published_scheduler_config(arch_config(FAMILY, arch)) == {"shift": 3.0}
+
+
+def _pair(qk_norm):
+    """The tiny MMDiT twice, same weights: diffusers' attention everywhere, and the family's
+    settings applied (the last block with `ImageQueryAttention`)."""
+    from omni.models.sd3 import ImageQueryAttention, build_tiny_transformer
+
+    reference = build_tiny_transformer(seed=1, qk_norm=qk_norm)
+    ours = build_tiny_transformer(seed=1, qk_norm=qk_norm)
+    FAMILY.apply_settings(ours, None)
+    assert isinstance(ours.transformer_blocks[-1].attn.processor, ImageQueryAttention)
+    return reference, ours
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        hidden_states=torch.randn(3, 4, 8, 8, generator=g),
+        timestep=torch.tensor([900.0, 400.0, 20.0]),
+        encoder_hidden_states=torch.randn(3, 21, 64, generator=g),
+        pooled_projections=torch.randn(3, 64, generator=g),
+        return_dict=False,
+    )
+
+
+@pytest.mark.parametrize("qk_norm", [None, "rms_norm"])
+def test_last_block_attends_with_image_queries_only_to_the_same_bits(qk_norm):
+    """The last block's text outputs are dropped, so computing only the image tokens'
+    queries gives diffusers' output bit for bit (SD3.5's q/k norms too); the LoRA
+    gradient a LoRA on every projection but the unused one gets is the same."""
+    from omni.config.model import LoraConfig
+    from omni.weights import add_lora_adapter, lora_tensors
+
+    reference, ours = _pair(qk_norm)
+    with torch.no_grad():
+        assert torch.equal(reference(**_inputs())[0], ours(**_inputs())[0])
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+    lora = LoraConfig(
+        rank=4, alpha=4, target_modules=targets, exclude_modules=FAMILY.unused_modules(FAMILY.tiny_transformer_config())
+    )
+    for model in (reference, ours):
+        model.requires_grad_(False)
+        add_lora_adapter(model, lora)
+    weights = lora_tensors(reference, lora.adapter_name)
+    for name, p in weights.items():
+        if "lora_B" in name:  # B = 0 would leave every lora_A without a gradient
+            p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)))
+    for name, p in lora_tensors(ours, lora.adapter_name).items():
+        p.data = weights[name].detach().clone()
+    grads = []
+    for model in (reference, ours):
+        model(**_inputs())[0].square().sum().backward()
+        grads.append({n: p.grad for n, p in lora_tensors(model, lora.adapter_name).items()})
+    assert grads[0].keys() == grads[1].keys()
+    assert not any("transformer_blocks.1.attn.add_q_proj" in n for n in grads[0])
+    for name in grads[0]:
+        assert grads[1][name] is not None and torch.allclose(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-5), name
+
+
+def test_last_block_keeps_diffusers_attention_while_its_text_queries_train():
+    """Full fine-tuning: the text query projection of the last block gets the zero gradient
+    it gets under diffusers' attention (not None, which optimizers and the replicated
+    all-reduce treat otherwise), and every gradient is the same."""
+    reference, ours = _pair(None)
+    for model in (reference, ours):
+        model(**_inputs())[0].square().sum().backward()
+    unused = ours.transformer_blocks[-1].attn.add_q_proj.weight.grad
+    assert unused is not None and not unused.any()
+    for (name, a), (_, b) in zip(reference.named_parameters(), ours.named_parameters()):
+        assert (a.grad is None) == (b.grad is None), name
+        assert a.grad is None or torch.equal(a.grad, b.grad), name
