@@ -503,6 +503,8 @@ def resolve(cfg: TrainConfig, family: ModelFamily) -> None:
         if lora.target_modules is None:
             lora.target_modules = list(family.lora_targets)
         unused = family.unused_modules(transformer_config(model, family))
+        # only those a target matches (PEFT's rule): PEFT warns of an exclusion that excludes nothing
+        unused = [name for name in unused if any(name == t or name.endswith(f".{t}") for t in lora.target_modules)]
         lora.exclude_modules = [*lora.exclude_modules, *(name for name in unused if name not in lora.exclude_modules)]
     if lora is None and model.dtype == DType.auto:
         model.dtype = DType.float32  # full fine-tuning trains fp32 weights (see check_full_finetuning)

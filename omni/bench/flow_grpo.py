@@ -50,8 +50,8 @@ of ours is all 8 samples at 5 steps each (each sample's steps shuffled and split
 minibatches): the same 80 transitions, passes and optimizer steps. Validation leaves the last
 block's text query projection out of our LoRA (`SD3Family.unused_modules`): that block drops
 its text outputs, so a LoRA there gets no gradient and changes no output, and our SD3 computes
-that block's attention for the image tokens' queries only (`omni.models.sd3.ImageQueryAttention`). Per-step log lines also
-carry each trainer's own logging (console lines here; wandb is disabled for flow_grpo).
+that block's attention for the image tokens' queries only (`omni.models.sd3.ImageQueryAttention`).
+Per-step log lines also carry each trainer's own logging (console lines here; wandb is disabled for flow_grpo).
 """
 
 from __future__ import annotations

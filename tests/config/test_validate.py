@@ -223,6 +223,19 @@ def test_validated_config_is_typed(tiny_cache):
     assert list(cfg.model.lora.target_modules) == ["to_q", "to_k", "to_v", "to_out.0"]  # the family's default
 
 
+@pytest.mark.parametrize(
+    "targets, excluded",
+    [(None, []), ("[to_q,add_q_proj]", ["transformer_blocks.1.attn.add_q_proj"])],
+)
+def test_a_lora_leaves_out_only_the_unused_modules_it_targets(targets, excluded, tiny_cache):
+    """SD3's last block drops its text outputs: a LoRA on `add_q_proj` leaves that block's
+    out; one that does not target it excludes nothing (PEFT warns of an exclusion that
+    matches no target, in every run)."""
+    overrides = [f"model.cache_dir={tiny_cache}"] + ([f"model.lora.target_modules={targets}"] if targets else [])
+    cfg = validate(compose_config(overrides))
+    assert list(cfg.model.lora.exclude_modules) == excluded
+
+
 def test_full_finetuning_validates_in_float32(tiny_cache):
     """model.lora=null: no LoRA to check, the weights train in float32 (rollout.layered_summon
     with it and a shared actor is refused: tests BAD above)."""
