@@ -107,12 +107,18 @@ def check_not_hub_id(path) -> None:
     )
 
 
+def peft_matches(name: str, keys) -> bool:
+    """PEFT's rule for a module name and a list of target (or excluded) keys: the name is a
+    key, or ends in `.<key>`."""
+    return any(name == key or name.endswith(f".{key}") for key in keys)
+
+
 def check_lora_targets(model, family: ModelFamily) -> None:
     """Every LoRA target names modules of the transformer, found from its config on the meta
     device (no weights read)."""
     names = family.module_names(model.path if model.tiny_seed is None else None)
-    names = [n for n in names if not any(n == x or n.endswith("." + x) for x in model.lora.exclude_modules)]
-    unmatched = [t for t in model.lora.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+    names = [n for n in names if not peft_matches(n, model.lora.exclude_modules)]
+    unmatched = [t for t in model.lora.target_modules if not any(peft_matches(n, [t]) for n in names)]
     leaves = sorted({n.rsplit(".", 1)[-1] for n in names if n})
     require(
         not unmatched,
@@ -503,8 +509,8 @@ def resolve(cfg: TrainConfig, family: ModelFamily) -> None:
         if lora.target_modules is None:
             lora.target_modules = list(family.lora_targets)
         unused = family.unused_modules(transformer_config(model, family))
-        # only those a target matches (PEFT's rule): PEFT warns of an exclusion that excludes nothing
-        unused = [name for name in unused if any(name == t or name.endswith(f".{t}") for t in lora.target_modules)]
+        # only those a target matches: PEFT warns of an exclusion that excludes nothing
+        unused = [name for name in unused if peft_matches(name, lora.target_modules)]
         lora.exclude_modules = [*lora.exclude_modules, *(name for name in unused if name not in lora.exclude_modules)]
     if lora is None and model.dtype == DType.auto:
         model.dtype = DType.float32  # full fine-tuning trains fp32 weights (see check_full_finetuning)
