@@ -1,9 +1,10 @@
 """The results bundle a finished training run leaves in `<run dir>/results/`:
 
     config.yaml    the resolved, validated config the run used
-    manifest.json  package versions, the code's git commit (and whether its tree was dirty),
-                   sha256 of the final checkpoint's files and of the prompt files, the command
-                   line and Hydra overrides, the date, and the checkpoint the bundle describes
+    manifest.json  package versions, the machine (CPU, cores, torch threads), the code's git
+                   commit (and whether its tree was dirty), sha256 of the final checkpoint's
+                   files and of the prompt files, the command line and Hydra overrides, the
+                   date, and the checkpoint the bundle describes
     metrics.json   the final evaluation's metrics, its mean reward per category (prompts whose
                    metadata carries a `tag`: GenEval's and omni.scenes' six categories) and the
                    per-image held-out rewards before and after training (the run's eval.json)
@@ -26,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -101,6 +103,26 @@ def package_versions() -> Dict[str, Optional[str]]:
     return versions
 
 
+def cpu_name() -> Optional[str]:
+    """The CPU's model name as the kernel reports it (Linux), else the platform's guess."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def machine() -> Dict[str, Any]:
+    """What a run's timings depend on: the CPU, its cores and the torch threads the run used
+    (timings from different CPUs are not comparable; the same code ran 2x apart on two 2-core
+    machines)."""
+    import torch
+
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+
+
 def git_state(code_dir: Path = CODE_DIR) -> Dict[str, Any]:
     """{"commit", "dirty"} of the git checkout whose root is `code_dir`; both None when it
     is not one (an installed package) or git is missing. Dirty: uncommitted changes, or
@@ -142,6 +164,7 @@ def manifest(
         "command": list(command),
         "overrides": list(overrides),
         "packages": package_versions(),
+        "machine": machine(),
         "git": git_state(),
         "checkpoint": {relative_name(p, run_dir): sha256(p) for p in sorted(map(Path, checkpoint_files))},
         "prompts": {role: {"file": str(path), "sha256": sha256(path)} for role, path in prompt_files.items()},

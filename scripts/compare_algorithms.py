@@ -13,7 +13,8 @@ the same before and after) is evaluated every `--eval-every` steps. Writes
 `<out>/results.json` (per run: gain, paired t, held-out reward against step, images sampled
 and wall time), `<out>/table.md` (mean gain and t over the seeds), and, with matplotlib,
 `<out>/curves.png`. Wall time is measured from the run's start, evaluations included, so it
-is comparable between variants only when the runs had the machine to themselves.
+is comparable between variants only when the runs had the same machine (each result names
+its CPU, from the run's manifest), each to itself.
 """
 
 from __future__ import annotations
@@ -143,6 +144,8 @@ def result_of(run: dict, batch_size: int) -> dict:
         "seed": run["seed"],
         "curve": run["curve"],
         "wall_s": time.time() - run["start"],
+        # wall times compare only between runs on the same CPU
+        "machine": json.loads((run_dir / "results" / "manifest.json").read_text())["machine"],
     }
     result.update(paired_gain(json.loads((run_dir / "eval.json").read_text()), run["score"]))
     (run_dir / "comparison.json").write_text(json.dumps(result))
@@ -176,10 +179,17 @@ def time_to_reach(curve: List[dict], rise: float) -> Optional[float]:
     return next((point["wall_s"] for point in curve if point["reward"] - start >= rise), None)
 
 
+def cpus(rows: List[dict]) -> str:
+    """The CPUs the rows ran on (results from before the manifest named it: "not recorded")."""
+    names = {(r.get("machine") or {}).get("cpu") or "not recorded" for r in rows}
+    return ", ".join(sorted(names))
+
+
 def table(results: List[dict], variants: List[str], rise: float) -> str:
     lines = [
-        f"| variant | seeds | held-out gain (mean) | paired t per seed | wall s (mean) | s to +{rise:g} per seed |",
-        "|---|---|---|---|---|---|",
+        "| variant | seeds | held-out gain (mean) | paired t per seed | wall s (mean) "
+        f"| s to +{rise:g} per seed | CPU |",
+        "|---|---|---|---|---|---|---|",
     ]
     for variant in variants:
         rows = sorted((r for r in results if r["variant"] == variant), key=lambda r: r["seed"])
@@ -189,7 +199,7 @@ def table(results: List[dict], variants: List[str], rise: float) -> str:
             wall = sum(r["wall_s"] for r in rows) / len(rows)
             reached = [time_to_reach(r["curve"], rise) for r in rows]
             reach = ", ".join("not reached" if s is None else f"{s:.0f}" for s in reached)
-            lines.append(f"| {variant} | {len(rows)} | {gains:+.5f} | {ts} | {wall:.0f} | {reach} |")
+            lines.append(f"| {variant} | {len(rows)} | {gains:+.5f} | {ts} | {wall:.0f} | {reach} | {cpus(rows)} |")
     return "\n".join(lines) + "\n"
 
 

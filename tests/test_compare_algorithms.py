@@ -48,6 +48,17 @@ def test_an_evaluation_is_read_from_the_logged_console_line():
     assert evaluation_in("eval/acc=1", "acc") is None
 
 
+def test_the_table_names_the_cpus_its_wall_times_come_from():
+    row = {"variant": "awm", "gain": 0.1, "t": 2.0, "wall_s": 10.0, "curve": []}
+    rows = [
+        {**row, "seed": 0, "machine": {"cpu": "CPU B"}},
+        {**row, "seed": 1, "machine": {"cpu": "CPU A"}},
+        {**row, "seed": 2},  # a result from before runs recorded their machine
+    ]
+    line = script().table(rows, ["awm"], 0.1).splitlines()[-1]
+    assert line.endswith("| CPU A, CPU B, not recorded |")
+
+
 @pytest.mark.slow
 def test_a_comparison_on_the_scenes_task_scores_held_out_accuracy(tmp_path):
     out = tmp_path / "cmp"
@@ -63,3 +74,5 @@ def test_a_comparison_on_the_scenes_task_scores_held_out_accuracy(tmp_path):
     gains = [a - b for b, a in zip(*(run_scores["scene_geneval/accuracy"][k] for k in ("before", "after")))]
     assert result["gain"] == pytest.approx(sum(gains) / len(gains))
     assert "s to +0.1" in (out / "table.md").read_text()
+    manifest = json.loads((out / "runs" / "diffusion_nft_seed0" / "results" / "manifest.json").read_text())
+    assert result["machine"] == manifest["machine"] and result["machine"]["cpu"]

@@ -4,6 +4,7 @@ holds and that the page needs nothing from elsewhere; then the real CLI on the t
 import hashlib
 import json
 import math
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -78,6 +79,12 @@ def test_bundle_holds_the_config_hashes_metrics_and_history(tmp_path):
     assert {"torch", "diffusers", "peft", "transformers", "hydra-core", "omegaconf", "verl"} <= set(
         manifest["packages"]
     )
+    assert manifest["machine"] == {
+        "cpu": results.cpu_name(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    assert manifest["machine"]["cpu"]
 
     metrics = read(directory, "metrics.json")  # strict JSON: non-finite numbers as null
     assert metrics["final"] == {"eval/reward": 0.6, "eval/odd": None}
