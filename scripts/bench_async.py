@@ -4,11 +4,18 @@ reward and with a slow `http` reward (our reward server on 127.0.0.1, a fixed la
 every scoring); then a cost model that projects images/s on 8 and 64 GPUs. Prints one JSON object.
 
     python scripts/bench_async.py [--workers 2] [--steps 6] [--latency-s 0.2] [--staleness 1]
+    python scripts/bench_async.py --one-gpu          # both sides on one CUDA device
 
 Same work on both sides: `--workers` processes of one torch thread each. Synchronous: a Ray
 group of that many actor-rollout workers (a replicated base, model.fsdp.version=0), each
 sampling, scoring and updating its share. Asynchronous: one training worker in this process and
 `workers - 1` Ray rollout workers, which sample step k + 1 while step k updates.
+
+With `--one-gpu` both sides share one CUDA device: synchronous, one worker in this process
+samples, scores and updates; asynchronous, this process trains on the device while one Ray
+rollout worker samples on the same device (`trainer.n_gpus_per_node=1`: the rollout worker
+holds Ray's one GPU, and the training worker, which is not a Ray actor, uses it beside it). So
+the figure is the overlap one device gives, not a gain from more hardware.
 
 The two trainers are set up side by side and take turns, one step each after a warm-up step,
 so a machine's changing load falls on both alike. An asynchronous turn also waits for the
@@ -45,13 +52,26 @@ REPO = Path(__file__).resolve().parents[1]
 PHASES = ("time/rollout", "time/reward", "time/update", "time/sync")
 
 
-def make_trainer(out_dir: Path, workers: int, mode: str, staleness: int, reward: list) -> Trainer:
-    overrides = [f"output_dir={out_dir}", "trainer.progress_bar=false", "model.fsdp.version=0", *reward]
-    if mode == "sync":
-        overrides.append(f"trainer.n_workers={workers}")
+def side_overrides(workers: int, mode: str, staleness: int, one_gpu: bool = False) -> list:
+    """The overrides of one side: `workers` processes (one GPU: one process on the device for
+    sync, the trainer and one rollout worker sharing it for async)."""
+    if one_gpu:
+        sync, rollout_workers = ["trainer.n_gpus_per_node=1", "trainer.device=cuda"], 1
     else:
-        overrides += ["trainer.rollout_mode=async", f"trainer.max_staleness={staleness}"]
-        overrides.append(f"trainer.rollout_workers={workers - 1}")
+        sync, rollout_workers = [f"trainer.n_workers={workers}"], workers - 1
+    if mode == "sync":
+        return sync
+    return [
+        *(sync if one_gpu else []),
+        "trainer.rollout_mode=async",
+        f"trainer.max_staleness={staleness}",
+        f"trainer.rollout_workers={rollout_workers}",
+    ]
+
+
+def make_trainer(out_dir: Path, workers: int, mode: str, staleness: int, reward: list, one_gpu: bool) -> Trainer:
+    overrides = [f"output_dir={out_dir}", "trainer.progress_bar=false", "model.fsdp.version=0", *reward]
+    overrides += side_overrides(workers, mode, staleness, one_gpu)
     trainer = Trainer(validate(compose_train(overrides)))
     trainer.setup()
     return trainer
@@ -67,14 +87,14 @@ def turn(trainer: Trainer, step: int) -> tuple:
     return time.perf_counter() - start, {k: metrics[k] for k in PHASES if k in metrics}
 
 
-def compare(workers: int, staleness: int, steps: int, reward: list) -> dict:
+def compare(workers: int, staleness: int, steps: int, reward: list, one_gpu: bool = False) -> dict:
     results = {}
     with tempfile.TemporaryDirectory() as out_dir:
         trainers = {}
         try:
             for mode in ("sync", "async"):
                 tick = time.perf_counter()
-                trainers[mode] = make_trainer(Path(out_dir) / mode, workers, mode, staleness, reward)
+                trainers[mode] = make_trainer(Path(out_dir) / mode, workers, mode, staleness, reward, one_gpu)
                 turn(trainers[mode], 0)  # warm-up
                 results[mode] = {"setup_seconds": round(time.perf_counter() - tick, 1)}
             timed = {mode: ([], []) for mode in trainers}
@@ -136,36 +156,41 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--staleness", type=int, default=1, help="trainer.max_staleness of the async side")
     parser.add_argument("--latency-s", type=float, default=0.2, help="the slow reward's added seconds per scoring")
+    parser.add_argument("--one-gpu", action="store_true", help="both sides on one CUDA device (docstring)")
     args = parser.parse_args()
+    if args.one_gpu and not torch.cuda.is_available():
+        parser.error("--one-gpu needs a CUDA device; this machine shows none")
+    workers = 2 if args.one_gpu else args.workers
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the Ray workers
     torch.set_num_threads(1)
     import ray
 
     # logical CPUs for both trainers' workers at once; they take turns, so the cores are shared
-    ray.init(address="local", num_cpus=2 * args.workers, include_dashboard=False)
+    ray.init(address="local", num_cpus=2 * workers, include_dashboard=False)
     report = {
         "settings": {
             "date": time.strftime("%Y-%m-%d"),
             "cpu_cores": os.cpu_count(),
             "threads_per_process": 1,
-            "workers": args.workers,
+            "workers": workers,
+            "one_gpu": args.one_gpu,
             "steps": args.steps,
             "max_staleness": args.staleness,
             "slow_reward_latency_s": args.latency_s,
         }
     }
-    report["default_reward"] = compare(args.workers, args.staleness, args.steps, [])
+    report["default_reward"] = compare(workers, args.staleness, args.steps, [], args.one_gpu)
     server, port = reward_server(args.latency_s)
     try:
         url = f"reward.components.http.url=http://127.0.0.1:{port}"
-        report["slow_http_reward"] = compare(args.workers, args.staleness, args.steps, ["reward=http", url])
+        report["slow_http_reward"] = compare(workers, args.staleness, args.steps, ["reward=http", url], args.one_gpu)
     finally:
         server.kill()
     ray.shutdown()
     # one worker's phases: the synchronous group's, each worker with batch / workers images
     for name in ("default_reward", "slow_http_reward"):
         phases = report[name]["sync"]["phase_seconds"]
-        per_worker = report[name]["images_per_step"] // args.workers
+        per_worker = report[name]["images_per_step"] // (1 if args.one_gpu else workers)
         report[name]["projection"] = {
             "note": "a projection from the measured phase times, not a measurement (assumptions: the docstring)",
             **{f"{g}_gpus": projection(phases, per_worker, g) for g in (8, 64)},
