@@ -1,23 +1,16 @@
 """scripts/bench_async.py: the layouts its two sides compare, as validated configs (no model
 loads): the same processes on both sides, and with --one-gpu both sides on one device."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from omni.async_rollout import rollout_group_config
 from omni.validation import validate
 from tests.conftest import compose_config
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.script_modules import load_script
 
 
 def script():
-    spec = importlib.util.spec_from_file_location("bench_async", REPO / "scripts" / "bench_async.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_async")
 
 
 def side(mode: str, one_gpu: bool, workers: int = 2):

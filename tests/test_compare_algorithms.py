@@ -1,7 +1,6 @@
 """scripts/compare_algorithms.py: the paired gain of a chosen held-out score, the time to a
 given rise, and one real comparison run on the scenes task (micro SD3, scene accuracy)."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -9,14 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.script_modules import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def script():
-    spec = importlib.util.spec_from_file_location("compare_algorithms", REPO / "scripts" / "compare_algorithms.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("compare_algorithms")
 
 
 def test_the_paired_gain_is_of_the_chosen_score_and_skips_non_finite_images():

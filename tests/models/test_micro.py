@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import compose_config
-from tests.models.pretrain_scripts import load_script
+from tests.script_modules import load_script
 
 ASSET = Path(__file__).resolve().parents[2] / "omni" / "assets" / "micro"
 # An installation without the weights (a trimmed wheel) skips the tests that load them.

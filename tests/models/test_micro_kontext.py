@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import compose_config
-from tests.models.pretrain_scripts import load_script
+from tests.script_modules import load_script
 
 ASSET = Path(__file__).resolve().parents[2] / "omni" / "assets" / "micro_kontext"
 needs_weights = pytest.mark.skipif(

@@ -1,10 +1,10 @@
-"""The pretraining scripts (scripts/pretrain_micro*.py) loaded as modules, for the tests that
-pin their first steps (with the `one_thread` fixture of tests/models/conftest.py)."""
+"""A script of scripts/ loaded as a module, for the tests that call its functions (the
+pretraining scripts' first steps, the benchmarks' layouts and tables)."""
 
 import importlib.util
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def load_script(name: str):
