@@ -816,6 +816,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, wan_dir: str) -> Non
 # in each spawned process: peft alone takes seconds, 4 processes share 2 cores here).
 _WORKER_PRELOAD = [
     __name__,
+    "tests.cli_process",  # the process server is shared with tests/cli_process.py: its imports too
+    "omni.cli",
     "peft",
     "omni.fsdp_utils",
     "omni.models.sd3",

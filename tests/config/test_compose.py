@@ -2,8 +2,6 @@
 of options that interact (model x algorithm presets, DPO x data). Model-agnostic: a real
 model's option is pointed at its family's tiny checkpoint, which has the same layout."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from omni.models import get_family
 from omni.rollout.vllm_engine import engine_unavailable
 from omni.rollout.vllm_options import VllmOptions
 from omni.validation import ConfigError, validate
+from tests import cli_process
 from tests.conftest import CONF_DIR, compose_config
 
 GROUPS = ("model", "rollout", "algorithm", "reward", "data", "trainer", "logger")
@@ -198,11 +197,7 @@ def test_mix_grpo_flash_is_mix_grpo_with_the_dpm2_solver(tmp_path):
 
 
 def test_cfg_job_prints_the_composed_config():
-    out = subprocess.run(
-        [sys.executable, "recipes/train.py", "--cfg", "job", "algorithm=flow_grpo_fast", "reward=multi"],
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    result = cli_process.run(["recipes/train.py", "--cfg", "job", "algorithm=flow_grpo_fast", "reward=multi"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
     assert "sde_window_size: 2" in out and "jpeg_compressibility:" in out and "weight: 0.5" in out

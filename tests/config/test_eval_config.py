@@ -3,8 +3,6 @@ keys that moved there from `trainer` are refused naming the new key, and a bad v
 refused naming its key, before any model loads."""
 
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +10,7 @@ from omegaconf import OmegaConf
 
 from omni.config import EvalConfig
 from omni.validation import ConfigError, validate
+from tests import cli_process
 from tests.conftest import compose_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,13 +53,7 @@ def test_a_moved_key_appended_is_refused_naming_the_new_key(old, new, tmp_path):
 
 
 def test_a_moved_key_on_the_command_line_is_refused_naming_the_new_key(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "recipes/train.py", "trainer.eval_every=5", f"hydra.run.dir={tmp_path}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = cli_process.run(["recipes/train.py", "trainer.eval_every=5", f"hydra.run.dir={tmp_path}"], timeout=120)
     assert result.returncode != 0
     assert "trainer.eval_every was moved: use eval.every" in result.stderr
     assert not any(tmp_path.iterdir())  # refused before Hydra made the run directory's files

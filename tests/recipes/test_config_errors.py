@@ -2,13 +2,12 @@
 HYDRA_FULL_ERROR=1), printed before any model loads; mandatory values and hub ids say what to pass."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from omni.distributed import free_port
+from tests import cli_process
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,14 +17,7 @@ def train(*overrides, full_error=False, tmp_path=None):
     if full_error:
         env["HYDRA_FULL_ERROR"] = "1"
     run_dir = [f"hydra.run.dir={tmp_path}"] if tmp_path else []
-    return subprocess.run(
-        [sys.executable, "recipes/train.py", *run_dir, *overrides],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return cli_process.run(["recipes/train.py", *run_dir, *overrides], env=env, timeout=300)
 
 
 HYDRA_FRAME = ("Error executing job with overrides:", "Set the environment variable HYDRA_FULL_ERROR=1")

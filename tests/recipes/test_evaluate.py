@@ -5,12 +5,11 @@ checkpoint is named before any model loads."""
 
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests import cli_process
 from tests.recipes.test_train import train
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,9 +17,9 @@ CATEGORIES = ["single_object", "two_object", "counting", "colors", "position", "
 
 
 def evaluate(run_dir, cache, *overrides):
-    command = [sys.executable, "recipes/evaluate.py", f"hydra.run.dir={run_dir}", f"model.cache_dir={cache}",
+    command = ["recipes/evaluate.py", f"hydra.run.dir={run_dir}", f"model.cache_dir={cache}",
                "trainer.progress_bar=false", "eval=scenes", "eval.max_images=12", *overrides]  # fmt: skip
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    return cli_process.run(command, timeout=600)
 
 
 def evaluated(run_dir, cache, *overrides) -> dict:

@@ -3,19 +3,19 @@ reach Hydra's log file as well as the console, the progress bar shows what moves
 default run prints no warning of our own making, and `trainer.eval_only=true` alone evaluates."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests import cli_process
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def cli(run_dir, cache, *overrides):
     """`python recipes/train.py` as a user types it (progress bar on), 2 steps."""
-    command = [sys.executable, "recipes/train.py", f"hydra.run.dir={run_dir}", f"model.cache_dir={cache}", *overrides]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    command = ["recipes/train.py", f"hydra.run.dir={run_dir}", f"model.cache_dir={cache}", *overrides]
+    result = cli_process.run(command, timeout=600)
     assert result.returncode == 0, f"train.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
 

@@ -1,25 +1,19 @@
 """`python recipes/train.py --help` lists the groups a user picks, each option and examples,
 and not the internal groups (schema/*, model_algorithm)."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 from omni.config import CONF_DIR
+from tests import cli_process
 
 REPO = Path(__file__).resolve().parents[2]
 INTERNAL = ("hydra", "model_algorithm")  # omni/conf/hydra/: Hydra's own settings; model_algorithm: pair presets
 
 
 def test_help_lists_every_group_and_option_with_examples():
-    out = subprocess.run(
-        [sys.executable, "recipes/train.py", "--help"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout
+    result = cli_process.run(["recipes/train.py", "--help"], timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
     lines = out.splitlines()
     # a config group is a folder of YAML files (not __pycache__, which byte-compiling leaves)
     groups = sorted(p.name for p in CONF_DIR.iterdir() if any(p.glob("*.yaml")) and p.name not in INTERNAL)

@@ -1,10 +1,9 @@
 """The log (console and Hydra's train.log) names the model_algorithm pair preset a run got
 and what it set, which no command line shows; a real short run of the CLI on the tiny SD3."""
 
-import subprocess
-import sys
 from pathlib import Path
 
+from tests import cli_process
 from tests.recipes.test_sweep import SHORT
 
 REPO = Path(__file__).resolve().parents[2]
@@ -12,7 +11,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_log_names_the_pair_preset_and_its_settings(tmp_path, tiny_cache):
     command = [
-        sys.executable,
         "recipes/train.py",
         f"hydra.run.dir={tmp_path}",
         f"model.cache_dir={tiny_cache}",
@@ -21,7 +19,7 @@ def test_log_names_the_pair_preset_and_its_settings(tmp_path, tiny_cache):
         *SHORT,
         "trainer.lr=5e-3",
     ]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    result = cli_process.run(command, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     line = (
         "model_algorithm=sd3_tiny_grpo_guard applied for model=sd3_tiny with algorithm=grpo_guard "
@@ -33,12 +31,6 @@ def test_log_names_the_pair_preset_and_its_settings(tmp_path, tiny_cache):
 
 def test_log_says_when_no_pair_preset_applies(tmp_path):
     """model=sd3 has no pair preset with flow_grpo; the run stops at validation (no checkpoint)."""
-    result = subprocess.run(
-        [sys.executable, "recipes/train.py", f"hydra.run.dir={tmp_path}", "model=sd3"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = cli_process.run(["recipes/train.py", f"hydra.run.dir={tmp_path}", "model=sd3"], timeout=300)
     assert result.returncode != 0 and "model.path is not set" in result.stderr
     assert "model_algorithm: no preset for model=sd3 with algorithm=flow_grpo" in (tmp_path / "train.log").read_text()

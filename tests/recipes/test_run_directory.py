@@ -4,14 +4,13 @@ loads, naming the difference."""
 
 import hashlib
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from omni import checkpoint
-from tests.recipes.test_train import REPO, train
+from tests import cli_process
+from tests.recipes.test_train import train
 
 SMALL = ["trainer.batch_size=8", "algorithm.group_size=4", "rollout.num_steps=4", "eval.images_per_prompt=1"]
 
@@ -36,7 +35,6 @@ def digest(run_dir: Path) -> dict:
 
 def start(run_dir, cache, *overrides, flags=()):
     command = [
-        sys.executable,
         "recipes/train.py",
         *flags,
         f"hydra.run.dir={run_dir}",
@@ -45,7 +43,7 @@ def start(run_dir, cache, *overrides, flags=()):
         *SMALL,
         *overrides,
     ]
-    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return cli_process.Run(command, merge_stderr=True)
 
 
 def damage_every_state(run_dir: Path) -> None:

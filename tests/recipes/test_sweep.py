@@ -4,13 +4,12 @@ and the search maximises the final held-out reward that recipes/train.py returns
 with a job that cannot run is refused before any job starts (omni/sweep.py)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests import cli_process
 from tests.conftest import one_process_group_at_a_time
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,11 +24,11 @@ SHORT = [
 
 def sweep(sweep_dir, cache, *overrides, timeout=600):
     command = [
-        sys.executable, "recipes/train.py", "-m", f"hydra.sweep.dir={sweep_dir}", f"model.cache_dir={cache}",
+        "recipes/train.py", "-m", f"hydra.sweep.dir={sweep_dir}", f"model.cache_dir={cache}",
         "trainer.progress_bar=false", *overrides,
     ]  # fmt: skip
     with one_process_group_at_a_time():  # with 2 workers each job starts a Ray cluster
-        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        result = cli_process.run(command, timeout=timeout)
     if result.returncode != 0:
         raise AssertionError(f"train.py -m failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result.stdout + result.stderr
@@ -62,7 +61,6 @@ def test_optuna_multirun_gives_each_job_its_directory_and_ray_and_maximises_the_
 def test_sweep_with_a_bad_job_is_refused_before_any_job_starts(tmp_path, tiny_cache):
     """The bad job comes last: without the check the good one would have run first."""
     command = [
-        sys.executable,
         "recipes/train.py",
         "-m",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
@@ -72,7 +70,7 @@ def test_sweep_with_a_bad_job_is_refused_before_any_job_starts(tmp_path, tiny_ca
         "trainer.lr=1e-2,-1",
         "model.lora.rank=4,0",
     ]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    result = cli_process.run(command, timeout=600)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "the sweep is refused before any job starts, 3 of its 4 jobs cannot run: "
@@ -92,7 +90,6 @@ def test_sweep_of_good_jobs_runs_them_all(tmp_path, tiny_cache):
 def test_search_with_bad_fixed_settings_is_refused_before_any_trial(tmp_path, tiny_cache):
     """An Optuna search draws its trials as it goes; its fixed settings are checked first."""
     command = [
-        sys.executable,
         "recipes/train.py",
         "-m",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
@@ -102,7 +99,7 @@ def test_search_with_bad_fixed_settings_is_refused_before_any_trial(tmp_path, ti
         "hydra.sweeper.n_trials=1",
         "trainer.steps=-1",
     ]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    result = cli_process.run(command, timeout=600)
     assert result.returncode == 1 and not (tmp_path / "sweep").exists()
     assert (
         result.stderr.strip()

@@ -3,14 +3,13 @@ the exported LoRA loads in diffusers, and bad input fails before any model loads
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests import cli_process
 from tests.conftest import one_process_group_at_a_time
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,14 +17,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 def train(run_dir, cache, *overrides, check=True, timeout=None, env=None):
     command = [
-        sys.executable,
         "recipes/train.py",
         f"hydra.run.dir={run_dir}",
         f"model.cache_dir={cache}",
         "trainer.progress_bar=false",
         *overrides,
     ]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    result = cli_process.run(command, env=env, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"train.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
@@ -54,7 +52,6 @@ def _train_in_parallel(runs, cache, timeout):
     running = []
     for run_dir, (threads, overrides) in runs.items():
         command = [
-            sys.executable,
             "recipes/train.py",
             f"hydra.run.dir={run_dir}",
             f"model.cache_dir={cache}",
@@ -62,12 +59,10 @@ def _train_in_parallel(runs, cache, timeout):
             *overrides,
         ]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        running.append(
-            subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        )
-    for process in running:
-        out, _ = process.communicate(timeout=timeout)
-        assert process.returncode == 0, f"train.py failed:\n{out[-3000:]}"
+        running.append(cli_process.Run(command, env=env, merge_stderr=True))
+    for run in running:
+        result = run.finish(timeout)
+        assert result.returncode == 0, f"train.py failed:\n{result.stdout[-3000:]}"
 
 
 @pytest.mark.slow
@@ -153,10 +148,10 @@ def test_bad_input_fails_before_loading(tmp_path, tiny_cache):
     running = {}
     for i, (case, (overrides, _)) in enumerate(BAD_INPUT.items()):
         command = [
-            sys.executable, "recipes/train.py", f"hydra.run.dir={tmp_path / str(i)}", f"model.cache_dir={tiny_cache}",
+            "recipes/train.py", f"hydra.run.dir={tmp_path / str(i)}", f"model.cache_dir={tiny_cache}",
             "trainer.progress_bar=false", *overrides,
         ]  # fmt: skip
-        running[case] = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        running[case] = cli_process.Run(command, merge_stderr=True)
     for i, (case, process) in enumerate(running.items()):
         output, _ = process.communicate(timeout=300)
         assert process.returncode != 0 and BAD_INPUT[case][1] in output, f"{case}: {output[-2000:]}"

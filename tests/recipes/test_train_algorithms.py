@@ -36,6 +36,7 @@ RUNS = {
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_each_algorithm_raises_held_out_reward(tmp_path, tiny_cache):
     runs = {tmp_path / name: (1, ["trainer.steps=20", *overrides]) for name, overrides in RUNS.items()}
     train_in_parallel(runs, tiny_cache)

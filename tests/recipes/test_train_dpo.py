@@ -3,13 +3,12 @@ is exact (streamed, with decoding workers, and from the latent cache), and a bad
 row stops the run before any model loads."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.recipes.test_train import REPO, final_lora, paired_gain, train, train_in_parallel
+from tests import cli_process
+from tests.recipes.test_train import final_lora, paired_gain, train, train_in_parallel
 
 
 @pytest.mark.slow
@@ -39,9 +38,8 @@ def test_offline_dpo_makes_generations_more_like_the_chosen_images(tmp_path, tin
         f"data.latent_cache={cache}",
         "trainer.steps=20",
     ]
-    subprocess.run(
-        [sys.executable, "scripts/cache_latents.py", f"model.cache_dir={tiny_cache}", *common], cwd=REPO, check=True
-    )
+    cached = cli_process.run(["scripts/cache_latents.py", f"model.cache_dir={tiny_cache}", *common])
+    assert cached.returncode == 0, cached.stderr[-3000:]
     runs = {tmp_path / "seed0": (1, [*common, "seed=0"]), tmp_path / "seed1": (2, [*common, "seed=1"])}
     train_in_parallel(runs, tiny_cache)
     for run_dir in runs:

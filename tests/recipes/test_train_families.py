@@ -36,6 +36,7 @@ RUNS = {
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_flow_grpo_raises_held_out_reward_on_each_text_to_image_and_video_family(tmp_path, tiny_cache):
     runs = {tmp_path / name: run for name, run in RUNS.items()}
     train_in_parallel(runs, tiny_cache)

@@ -3,10 +3,7 @@ right on every held-out prompt's render, on at least 98% of spoilt renders, wron
 of a corrupted prompt; GenEval's rules on hand-made detections; bad prompts refused at
 validation with their file and line, before any model is built."""
 
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +14,7 @@ from omni.data.prompts import Prompt, load_prompts
 from omni.rewards import WeightedReward
 from omni.rewards.scene_geneval import SceneGeneval, SceneGenevalOptions, components, detect, evaluate
 from omni.validation import ConfigError, validate
+from tests import cli_process
 from tests.conftest import compose_config
 
 SIZE = 64  # the tiny models' resolution
@@ -209,20 +207,11 @@ def test_prompts_without_metadata_stop_the_real_entry_before_a_model_is_built(tm
     exits before the tiny model is built into the (empty) cache."""
     cache = tmp_path / "cache"
     cache.mkdir()
-    run = subprocess.run(
-        [
-            sys.executable,
-            "recipes/train.py",
-            "reward=scene_geneval",
-            "data=colors",
-            f"model.cache_dir={cache}",
-            f"output_dir={tmp_path / 'out'}",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).parents[2],
+    run = cli_process.run(
+        ["recipes/train.py", "reward=scene_geneval", "data=colors", f"model.cache_dir={cache}",
+         f"output_dir={tmp_path / 'out'}"],
         timeout=300,
-    )
+    )  # fmt: skip
     assert (
         run.returncode != 0
         and "colors_train.txt, line 1: reward.components.scene_geneval needs scene metadata" in run.stderr + run.stdout
