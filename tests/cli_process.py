@@ -87,14 +87,12 @@ class Run:
         self._dir = tempfile.mkdtemp(prefix="omni-cli-")
         self._out = os.path.join(self._dir, "stdout")
         self._err = self._out if merge_stderr else os.path.join(self._dir, "stderr")
+        self.returncode = None
         if os.environ.get(FRESH_ENV) == "1":
             with open(self._out, "w") as out, open(self._err, "a") as err:
+                stderr = subprocess.STDOUT if merge_stderr else err  # one descriptor, one offset
                 self._process = subprocess.Popen(
-                    [sys.executable, *self.argv],
-                    cwd=cwd,
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT if merge_stderr else err,
+                    [sys.executable, *self.argv], cwd=cwd, env=env, stdout=out, stderr=stderr
                 )
         else:
             self._process = _context().Process(
@@ -117,20 +115,18 @@ class Run:
             raise subprocess.TimeoutExpired(self.argv, timeout)
         return self._process.exitcode
 
-    returncode = None
-
     def communicate(self, timeout=None) -> tuple:
         result = self.finish(timeout)
         return result.stdout, result.stderr
 
     def finish(self, timeout=None) -> subprocess.CompletedProcess:
-        returncode = self.returncode = self._wait(timeout)
+        self.returncode = self._wait(timeout)
         stdout = Path(self._out).read_text(errors="replace")
         stderr = None if self._err == self._out else Path(self._err).read_text(errors="replace")
         for path in {self._out, self._err}:
             os.remove(path)
         os.rmdir(self._dir)
-        return subprocess.CompletedProcess(self.argv, returncode, stdout, stderr)
+        return subprocess.CompletedProcess(self.argv, self.returncode, stdout, stderr)
 
 
 def run(argv, *, cwd=REPO, env=None, timeout=None) -> subprocess.CompletedProcess:

@@ -3,13 +3,10 @@ without it, prints its settings and figures as JSON (on the tiny SD3, a small ba
 cadence of 3 steps instead of the default 10, for time)."""
 
 import json
-from pathlib import Path
 
 import pytest
 
 from tests import cli_process
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow

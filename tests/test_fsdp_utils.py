@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from omni.distributed import free_port
+from tests import cli_process
 
 WORLD = 2
 WORLD4 = 4  # HSDP (2 x 2 mesh) and partial post-forward resharding need 4 ranks
@@ -816,9 +817,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, wan_dir: str) -> Non
 # in each spawned process: peft alone takes seconds, 4 processes share 2 cores here).
 _WORKER_PRELOAD = [
     __name__,
-    "tests.cli_process",  # the process server is shared with tests/cli_process.py: its imports too
-    "omni.cli",
-    "peft",
+    *cli_process.PRELOAD,  # the server is shared with tests/cli_process.py's runs: their imports too
     "omni.fsdp_utils",
     "omni.models.sd3",
     "torch.distributed.fsdp",

@@ -3,7 +3,6 @@ keys that moved there from `trainer` are refused naming the new key, and a bad v
 refused naming its key, before any model loads."""
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -12,8 +11,6 @@ from omni.config import EvalConfig
 from omni.validation import ConfigError, validate
 from tests import cli_process
 from tests.conftest import compose_config
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_default_preset_is_the_schema_defaults():

@@ -2,14 +2,11 @@
 HYDRA_FULL_ERROR=1), printed before any model loads; mandatory values and hub ids say what to pass."""
 
 import os
-from pathlib import Path
 
 import pytest
 
 from omni.distributed import free_port
 from tests import cli_process
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def train(*overrides, full_error=False, tmp_path=None):

@@ -12,7 +12,6 @@ import pytest
 from tests import cli_process
 from tests.recipes.test_train import train
 
-REPO = Path(__file__).resolve().parents[2]
 CATEGORIES = ["single_object", "two_object", "counting", "colors", "position", "color_attr"]
 
 

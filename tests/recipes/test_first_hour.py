@@ -3,13 +3,10 @@ reach Hydra's log file as well as the console, the progress bar shows what moves
 default run prints no warning of our own making, and `trainer.eval_only=true` alone evaluates."""
 
 import re
-from pathlib import Path
 
 import pytest
 
 from tests import cli_process
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def cli(run_dir, cache, *overrides):

@@ -1,12 +1,9 @@
 """`python recipes/train.py --help` lists the groups a user picks, each option and examples,
 and not the internal groups (schema/*, model_algorithm)."""
 
-from pathlib import Path
-
 from omni.config import CONF_DIR
 from tests import cli_process
 
-REPO = Path(__file__).resolve().parents[2]
 INTERNAL = ("hydra", "model_algorithm")  # omni/conf/hydra/: Hydra's own settings; model_algorithm: pair presets
 
 

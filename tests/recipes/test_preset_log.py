@@ -1,12 +1,8 @@
 """The log (console and Hydra's train.log) names the model_algorithm pair preset a run got
 and what it set, which no command line shows; a real short run of the CLI on the tiny SD3."""
 
-from pathlib import Path
-
 from tests import cli_process
 from tests.recipes.test_sweep import SHORT
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_log_names_the_pair_preset_and_its_settings(tmp_path, tiny_cache):

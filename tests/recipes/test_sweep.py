@@ -12,7 +12,6 @@ import yaml
 from tests import cli_process
 from tests.conftest import one_process_group_at_a_time
 
-REPO = Path(__file__).resolve().parents[2]
 SHORT = [
     "trainer.steps=1",
     "trainer.batch_size=8",
